@@ -1,0 +1,1 @@
+"""ortspec.export: checkpoint -> ONNX decoder graphs + manifest."""

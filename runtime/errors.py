@@ -1,0 +1,48 @@
+"""One exception hierarchy: every error ortspec raises on purpose is an `OrtspecError`.
+
+Each also subclasses the built-in a Python user would catch (ValueError, TypeError,
+FileNotFoundError), so `except ValueError` keeps working. Messages name the offending value and
+what is allowed.
+"""
+
+from __future__ import annotations
+
+
+class OrtspecError(Exception):
+    """Base of every error ortspec raises deliberately."""
+
+
+class InvalidOptionError(OrtspecError, ValueError):
+    """An option is out of range: temperature, top_k, top_p, max_new_tokens, draft length..."""
+
+
+class InvalidPromptError(OrtspecError, ValueError):
+    """The prompt is empty, has token ids outside the vocabulary, or does not fit the capacity."""
+
+
+class InvalidDistributionError(OrtspecError, ValueError):
+    """A DraftDist (or probability vector) is not a distribution over the vocabulary."""
+
+
+class DrafterError(OrtspecError, ValueError):
+    """A drafter returned a block the decode loop cannot verify (ids out of range, too long)."""
+
+
+class NonFiniteLogitsError(OrtspecError, ValueError):
+    """The model returned NaN or infinite logits."""
+
+
+class CapacityError(OrtspecError, ValueError):
+    """A decoder was asked to hold more tokens than its KV capacity."""
+
+
+class ManifestError(OrtspecError, ValueError):
+    """A model directory is malformed, corrupted, or reaches outside itself."""
+
+
+class ProviderError(OrtspecError, ValueError):
+    """An execution provider was asked for that the installed onnxruntime does not offer."""
+
+
+class ExportError(OrtspecError, RuntimeError):
+    """An export was refused (unsupported architecture, bad option) or failed validation."""
