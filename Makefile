@@ -1,0 +1,35 @@
+# Everything a fresh machine needs, in two commands: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test test-fast bench clean-models
+
+# torch 2.13.0 first: on this machine pip takes that CPU build from local disk; asking for
+# any other version would download a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[export,test,bench]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# Gets and exports the default model on first use (cached under models/), then decodes one
+# input-grounded prompt plainly and speculatively.
+demo: $(STAMP)
+	$(BIN)/python scripts/demo.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -ra -m "not slow"
+
+bench: $(STAMP)
+	$(BIN)/python -m ortspec.runtime.cli bench
+
+clean-models:
+	rm -rf models/cache models/exported

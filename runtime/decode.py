@@ -1,0 +1,324 @@
+"""The decode loops: `plain_decode` (the reference) and `speculative_decode_with`.
+
+Both keep the same invariant: the decoder's cache holds every token of the history except the
+last one, the *pending* token. A step feeds the pending token, alone (a plain step) or followed
+by k drafted tokens (one verify call of k + 1 tokens), and gets the target's logits for every
+position it needs: row 0 judges the first draft, row k gives the bonus token. After the rule has
+run, the cache is truncated to the history that survived and the last emitted token becomes
+the new pending one. Because the last token is never fed, `prompt + new tokens` may reach
+`capacity + 1` tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Literal, Sequence
+
+import numpy as np
+
+from .errors import DrafterError, InvalidOptionError, InvalidPromptError
+from .protocols import Decoder, Drafter
+from .sampling import DraftBlock, check_sampling_options, sample_from, verify_block, warp
+
+FinishReason = Literal["length", "stop", "capacity"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeOptions:
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    max_draft_len: int | None = None  # cap on tokens drafted per verify (None: the drafter's own)
+
+    def __post_init__(self) -> None:
+        n = self.max_new_tokens
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise InvalidOptionError(f"max_new_tokens must be an integer >= 1, got {n!r}")
+        check_sampling_options(self.temperature, self.top_k, self.top_p)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        m = self.max_draft_len
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 0):
+            raise InvalidOptionError(f"max_draft_len must be None or an integer >= 0, got {m!r}")
+
+
+@dataclasses.dataclass
+class DecodeCounters:
+    """What a decode did. Tokens emitted = accepted + recovered + bonus.
+
+    A plain step (nothing drafted) emits a bonus token: it is sampled from the target after an
+    (empty) fully accepted block.
+    """
+
+    verify_calls: int = 0  # forward_batch calls that verified a non-empty draft
+    forward_token_calls: int = 0  # single-token steps (nothing drafted)
+    prefill_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    recovered: int = 0
+    bonus: int = 0
+    drafted_by_position: list[int] = dataclasses.field(default_factory=list)
+    accepted_by_position: list[int] = dataclasses.field(default_factory=list)
+    accepted_by_source: dict[str, int] = dataclasses.field(default_factory=dict)
+    drafted_by_source: dict[str, int] = dataclasses.field(default_factory=dict)
+    model_seconds: float = 0.0  # inside the decoder (prefill included)
+    draft_seconds: float = 0.0  # inside drafter.propose
+    sample_seconds: float = 0.0  # warping and the accept/resample rule
+    total_seconds: float = 0.0
+
+    @property
+    def target_calls(self) -> int:
+        return self.verify_calls + self.forward_token_calls
+
+    @property
+    def emitted(self) -> int:
+        return self.accepted + self.recovered + self.bonus
+
+    @property
+    def rejected(self) -> int:
+        """Drafted tokens not accepted: failed the test, came after a failure, or after a stop."""
+        return self.drafted - self.accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_tokens_per_call(self) -> float:
+        """Tokens per target call, bonus included (Spec-Bench's mean accepted tokens)."""
+        return self.emitted / self.target_calls if self.target_calls else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+
+    @property
+    def other_seconds(self) -> float:
+        return max(0.0, self.total_seconds - self.model_seconds - self.draft_seconds - self.sample_seconds)
+
+    def _count_block(self, block: DraftBlock, n_accepted: int) -> None:
+        k = len(block)
+        if k == 0:
+            return
+        while len(self.drafted_by_position) < k:
+            self.drafted_by_position.append(0)
+            self.accepted_by_position.append(0)
+        for i in range(k):
+            self.drafted_by_position[i] += 1
+        for i in range(n_accepted):
+            self.accepted_by_position[i] += 1
+        self.drafted += k
+        self.accepted += n_accepted
+        src = block.source or "draft"
+        self.drafted_by_source[src] = self.drafted_by_source.get(src, 0) + k
+        self.accepted_by_source[src] = self.accepted_by_source.get(src, 0) + n_accepted
+
+
+@dataclasses.dataclass
+class SpeculativeDecodeResult:
+    tokens: list[int]  # new tokens, a stop token included when one ended the decode
+    finish_reason: FinishReason
+    counters: DecodeCounters
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+
+DraftLengthPolicy = Callable[[int], int]  # (largest allowed k) -> k to request
+
+
+def _check_prompt(decoder: Decoder, prompt: Sequence[int]) -> list[int]:
+    prompt = list(prompt)
+    if not prompt:
+        raise InvalidPromptError("the prompt is empty; at least one token is needed")
+    vocab = decoder.vocab_size
+    for i, t in enumerate(prompt):
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
+            raise InvalidPromptError(
+                f"prompt token {i} is {t!r}; token ids must be integers in 0..{vocab - 1}"
+            )
+    if len(prompt) > decoder.capacity:
+        raise InvalidPromptError(
+            f"the prompt has {len(prompt)} tokens; the model's KV capacity is {decoder.capacity}"
+        )
+    return [int(t) for t in prompt]
+
+
+def _prefill(decoder: Decoder, prompt: list[int], counters: DecodeCounters) -> int:
+    """Reset, feed all but the last prompt token, return the pending token."""
+    t0 = time.perf_counter()
+    decoder.reset()
+    if len(prompt) > 1:
+        decoder.forward_batch(prompt[:-1])
+    counters.prefill_tokens = len(prompt) - 1
+    counters.model_seconds += time.perf_counter() - t0
+    return prompt[-1]
+
+
+def plain_decode(
+    decoder: Decoder, prompt: Sequence[int], options: SpeculativeOptions
+) -> SpeculativeDecodeResult:
+    """One `forward_token` per new token, sampled from `warp(logits)`: the reference."""
+    t_start = time.perf_counter()
+    prompt = _check_prompt(decoder, prompt)
+    counters = DecodeCounters()
+    rng = np.random.default_rng(options.seed)
+    stops = frozenset(options.stop_token_ids)
+    pending = _prefill(decoder, prompt, counters)
+    new: list[int] = []
+    finish: FinishReason = "length"
+    while len(new) < options.max_new_tokens:
+        if decoder.length + 1 > decoder.capacity:
+            finish = "capacity"
+            break
+        t0 = time.perf_counter()
+        logits = decoder.forward_token(pending)
+        t1 = time.perf_counter()
+        p_target = warp(logits, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
+        tok = sample_from(p_target, rng)
+        t2 = time.perf_counter()
+        counters.model_seconds += t1 - t0
+        counters.sample_seconds += t2 - t1
+        counters.forward_token_calls += 1
+        counters.bonus += 1
+        new.append(tok)
+        pending = tok
+        if tok in stops:
+            finish = "stop"
+            break
+    counters.total_seconds = time.perf_counter() - t_start
+    return SpeculativeDecodeResult(new, finish, counters)
+
+
+def speculative_decode_with(
+    decoder: Decoder,
+    prompt: Sequence[int],
+    drafter: Drafter,
+    options: SpeculativeOptions,
+    *,
+    draft_length: DraftLengthPolicy | None = None,
+) -> SpeculativeDecodeResult:
+    """Speculative decoding with any drafter; the output is distributed exactly as `plain_decode`'s.
+
+    Per step: ask the drafter for up to k tokens (k bounded by `options.max_draft_len`, the
+    tokens still wanted, the KV capacity and the decoder's `max_verify_len`, then by
+    `draft_length(k)` if given), verify pending + drafts in one call, apply the rule, roll the
+    cache back to what survived. An empty draft is a plain single-token step.
+    """
+    t_start = time.perf_counter()
+    prompt = _check_prompt(decoder, prompt)
+    counters = DecodeCounters()
+    rng = np.random.default_rng(options.seed)
+    stops = frozenset(options.stop_token_ids)
+    vocab = decoder.vocab_size
+    verify_cap = getattr(decoder, "max_verify_len", None)
+    history = list(prompt)  # the drafter sees this list; it only ever grows
+    begin = getattr(drafter, "begin", None)  # optional hook: a new request starts
+    if begin is not None:
+        begin(options)
+    pending = _prefill(decoder, prompt, counters)
+    n_new = 0
+    finish: FinishReason = "length"
+    while n_new < options.max_new_tokens:
+        room = decoder.capacity - decoder.length  # tokens the cache can still take
+        if room < 1:
+            finish = "capacity"
+            break
+        k_max = min(options.max_new_tokens - n_new - 1, room - 1)
+        if options.max_draft_len is not None:
+            k_max = min(k_max, options.max_draft_len)
+        if verify_cap is not None:
+            k_max = min(k_max, verify_cap - 1)
+        if draft_length is not None and k_max > 0:
+            k_max = max(0, min(k_max, int(draft_length(k_max))))
+        block = DraftBlock.empty()
+        if k_max > 0:
+            t0 = time.perf_counter()
+            block = drafter.propose(history, k_max)
+            counters.draft_seconds += time.perf_counter() - t0
+            _check_block(block, k_max, vocab)
+        base = decoder.length
+        t0 = time.perf_counter()
+        if len(block):
+            logits = decoder.forward_batch([pending, *block.tokens])  # [k + 1, vocab]
+            counters.verify_calls += 1
+        else:
+            logits = decoder.forward_token(pending)[None, :]  # [1, vocab]
+            counters.forward_token_calls += 1
+        t1 = time.perf_counter()
+        outcome = verify_block(
+            logits, block, rng, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p
+        )
+        counters.model_seconds += t1 - t0
+        counters.sample_seconds += time.perf_counter() - t1
+        # emit one by one: a stop token ends the decode even inside an accepted block
+        emitted = 0
+        for tok in outcome.tokens:
+            history.append(tok)
+            emitted += 1
+            if tok in stops:
+                finish = "stop"
+                break
+        n_new += emitted
+        counters._count_block(block, min(outcome.n_accepted, emitted))
+        if emitted > outcome.n_accepted:
+            if outcome.recovered:
+                counters.recovered += 1
+            else:
+                counters.bonus += 1
+        # the cache keeps pending + the accepted drafts that were emitted, except the last
+        # emitted token, which becomes the new pending one
+        decoder.truncate(base + emitted)
+        pending = history[-1]
+        if finish == "stop":
+            break
+    counters.total_seconds = time.perf_counter() - t_start
+    return SpeculativeDecodeResult(history[len(prompt):], finish, counters)
+
+
+def _check_block(block: DraftBlock, k_max: int, vocab: int) -> None:
+    if not isinstance(block, DraftBlock):
+        raise DrafterError(f"a drafter must return a DraftBlock, got {type(block).__name__}")
+    if len(block) > k_max:
+        raise DrafterError(f"the drafter returned {len(block)} tokens; at most {k_max} were allowed")
+    for i, t in enumerate(block.tokens):
+        if not 0 <= t < vocab:
+            raise DrafterError(f"drafted token {i} is {t}; token ids must be in 0..{vocab - 1}")
+    for i, d in enumerate(block.dists):
+        if int(d.token_ids.max()) >= vocab:
+            raise DrafterError(
+                f"draft distribution {i} has token id {int(d.token_ids.max())} >= vocab {vocab}"
+            )
+
+
+def speculative_decode(
+    decoder: Decoder,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop_token_ids: Sequence[int] = (),
+    ngram_size: int = 3,
+    max_draft_len: int = 8,
+) -> SpeculativeDecodeResult:
+    """Speculative decoding with prompt lookup: the common case in one call."""
+    from .drafters.prompt_lookup import PromptLookupSpeculator
+
+    options = SpeculativeOptions(
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        stop_token_ids=tuple(stop_token_ids),
+        max_draft_len=max_draft_len,
+    )
+    drafter = PromptLookupSpeculator(ngram_size=ngram_size, max_draft_len=max_draft_len)
+    return speculative_decode_with(decoder, prompt, drafter, options)

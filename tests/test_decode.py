@@ -1,0 +1,277 @@
+"""The decode loops on the NumPy reference decoder: losslessness, counters, limits."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from fixtures_drafters import BadDrafter, EmptyDrafter, OracleDrafter, RandomDrafter
+from ortspec.runtime import (
+    DraftBlock,
+    DraftDist,
+    DrafterError,
+    DraftModelDrafter,
+    InvalidPromptError,
+    PromptLookupSpeculator,
+    ReferenceConfig,
+    ReferenceDecoder,
+    SpeculativeOptions,
+    plain_decode,
+    speculative_decode,
+    speculative_decode_with,
+    warp,
+)
+from stats_helpers import assert_matches_distribution
+
+# -- exact marginals ----------------------------------------------------------------------------
+
+
+def exact_marginals(decoder, prompt, n, *, temperature, top_k=None, top_p=None):
+    """Per-position marginals of n sampled tokens, and the joint of the first two, enumerated
+    exactly over every prefix (vocab^(n-1) of them) with the shared warping function."""
+    vocab = decoder.vocab_size
+    marginals = [np.zeros(vocab) for _ in range(n)]
+    joint2 = np.zeros((vocab, vocab))
+
+    def walk(prefix, prob):
+        decoder.reset()
+        logits = decoder.forward_batch(list(prompt) + list(prefix))[-1]
+        p = warp(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+        depth = len(prefix)
+        marginals[depth] += prob * p
+        if depth == 1:
+            joint2[prefix[0]] += prob * p
+        if depth + 1 < n:
+            for t in np.flatnonzero(p > 0):
+                walk(prefix + [int(t)], prob * p[t])
+
+    walk([], 1.0)
+    return marginals, joint2.reshape(-1)
+
+
+SMALL = ReferenceConfig(vocab_size=5, d_model=16, n_layers=2, n_heads=2, capacity=16, logit_scale=1.5, seed=4)
+SAMPLING_CASES = {
+    "t1.0": dict(temperature=1.0),
+    "t0.7-topk3": dict(temperature=0.7, top_k=3),
+    "t1.5-topp0.8": dict(temperature=1.5, top_p=0.8),
+}
+
+
+def _drafter(name, vocab):
+    if name == "random":
+        return RandomDrafter(vocab, 3, seed=5)
+    if name == "prompt_lookup":
+        return PromptLookupSpeculator(ngram_size=2, max_draft_len=3)
+    return DraftModelDrafter(ReferenceDecoder(ReferenceConfig(**{**SMALL.__dict__, "seed": 9})), max_draft_len=3)
+
+
+@pytest.mark.parametrize("case", sorted(SAMPLING_CASES))
+@pytest.mark.parametrize("drafter_name", ["random", "prompt_lookup", "draft_model"])
+def test_speculative_decode_at_temperature_matches_plain_sampling(case, drafter_name):
+    """Sampled speculative decodes (8,000 of 4 tokens) against the exact per-position marginals
+    of plain sampling, and the exact joint of the first two tokens: chi-squared tests."""
+    kw = SAMPLING_CASES[case]
+    decoder = ReferenceDecoder(SMALL)
+    prompt, n_new, n_runs = [1, 3, 1, 3], 4, 8000
+    marginals, joint2 = exact_marginals(decoder, prompt, n_new, **kw)
+    drafter = _drafter(drafter_name, SMALL.vocab_size)
+    counts = np.zeros((n_new, SMALL.vocab_size), dtype=np.int64)
+    joint_counts = np.zeros(SMALL.vocab_size**2, dtype=np.int64)
+    accepted = drafted = 0
+    for seed in range(n_runs):
+        res = speculative_decode_with(decoder, prompt, drafter, SpeculativeOptions(n_new, seed=seed, **kw))
+        assert len(res.tokens) == n_new
+        for i, t in enumerate(res.tokens):
+            counts[i, t] += 1
+        joint_counts[res.tokens[0] * SMALL.vocab_size + res.tokens[1]] += 1
+        accepted += res.counters.accepted
+        drafted += res.counters.drafted
+    # the drafts must have been exercised both ways, or the test proves nothing
+    assert 0 < accepted < drafted
+    alpha = 1e-3 / (n_new + 1)
+    for i in range(n_new):
+        assert_matches_distribution(counts[i], marginals[i], alpha=alpha, what=f"{case} position {i}")
+    assert_matches_distribution(joint_counts, joint2, alpha=alpha, what=f"{case} first two tokens")
+
+
+def test_plain_sampling_matches_the_exact_marginals():
+    decoder = ReferenceDecoder(SMALL)
+    prompt, n_new = [1, 3, 1, 3], 3
+    marginals, _ = exact_marginals(decoder, prompt, n_new, temperature=1.0)
+    counts = np.zeros((n_new, SMALL.vocab_size), dtype=np.int64)
+    for seed in range(6000):
+        res = plain_decode(decoder, prompt, SpeculativeOptions(n_new, temperature=1.0, seed=seed))
+        for i, t in enumerate(res.tokens):
+            counts[i, t] += 1
+    for i in range(n_new):
+        assert_matches_distribution(counts[i], marginals[i], alpha=1e-3 / n_new, what=f"position {i}")
+
+
+# -- greedy identity ----------------------------------------------------------------------------
+
+GREEDY = ReferenceConfig(vocab_size=24, d_model=32, n_layers=2, n_heads=4, capacity=256, logit_scale=4.0, seed=1)
+
+
+def _greedy_prompts():
+    rng = np.random.default_rng(8)
+    for _ in range(6):
+        motif = rng.integers(0, GREEDY.vocab_size, size=6).tolist()
+        yield motif + rng.integers(0, GREEDY.vocab_size, size=10).tolist() + motif[:4]
+
+
+@pytest.mark.parametrize("max_verify_len", [None, 3])
+def test_speculative_decode_matches_greedy_token_for_token(max_verify_len):
+    """Temperature 0: identical to a forward_token loop, whatever the drafter proposes."""
+    decoder = ReferenceDecoder(GREEDY, max_verify_len=max_verify_len)
+    drafters = [
+        PromptLookupSpeculator(ngram_size=3, max_draft_len=8),
+        PromptLookupSpeculator(ngram_size=1, max_draft_len=4, prefer="first"),
+        RandomDrafter(GREEDY.vocab_size, 5, seed=2),
+        DraftModelDrafter(ReferenceDecoder(ReferenceConfig(**{**GREEDY.__dict__, "seed": 2})), max_draft_len=4),
+    ]
+    accepted = rejected = 0
+    for prompt in _greedy_prompts():
+        options = SpeculativeOptions(60)
+        reference = plain_decode(decoder, prompt, options)
+        assert reference.counters.forward_token_calls == 60
+        for drafter in drafters:
+            res = speculative_decode_with(decoder, prompt, drafter, options)
+            assert res.tokens == reference.tokens, type(drafter).__name__
+            assert res.counters.emitted == len(res.tokens) == 60
+            accepted += res.counters.accepted
+            rejected += res.counters.rejected
+    assert accepted > 0 and rejected > 0
+
+
+def test_the_thin_wrapper_is_greedy_prompt_lookup():
+    decoder = ReferenceDecoder(GREEDY)
+    for prompt in _greedy_prompts():
+        ref = plain_decode(decoder, prompt, SpeculativeOptions(40))
+        assert speculative_decode(decoder, prompt, 40).tokens == ref.tokens
+
+
+def test_a_drafter_equal_to_the_target_accepts_everything():
+    target = ReferenceDecoder(GREEDY)
+    prompt = next(_greedy_prompts())
+    for temperature in (0.0, 1.0):
+        drafter = DraftModelDrafter(ReferenceDecoder(GREEDY), max_draft_len=4, target=target)
+        res = speculative_decode_with(target, prompt, drafter, SpeculativeOptions(50, temperature=temperature, seed=3))
+        assert res.counters.acceptance_rate == 1.0
+        assert res.counters.recovered == 0
+        # 50 tokens in blocks of 4 drafts + 1 bonus: 10 verify calls
+        assert res.counters.target_calls == 10
+
+
+def test_an_empty_drafter_reproduces_plain_decoding_with_the_same_seed():
+    decoder = ReferenceDecoder(GREEDY)
+    prompt = next(_greedy_prompts())
+    for seed in range(5):
+        o = SpeculativeOptions(30, temperature=1.0, top_p=0.9, seed=seed)
+        a = plain_decode(decoder, prompt, o)
+        b = speculative_decode_with(decoder, prompt, EmptyDrafter(), o)
+        assert a.tokens == b.tokens
+        assert b.counters.verify_calls == 0 and b.counters.forward_token_calls == 30
+
+
+def test_seeded_runs_repeat_exactly():
+    decoder = ReferenceDecoder(GREEDY)
+    prompt = next(_greedy_prompts())
+
+    def run(seed):
+        return speculative_decode_with(
+            decoder, prompt, RandomDrafter(GREEDY.vocab_size, 4, seed=1),
+            SpeculativeOptions(40, temperature=1.0, seed=seed),
+        ).tokens
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+def test_top_k_and_top_p_outputs_stay_in_the_allowed_set():
+    decoder = ReferenceDecoder(GREEDY)
+    check = ReferenceDecoder(GREEDY)
+    prompt = next(_greedy_prompts())
+    for kw in (dict(top_k=2), dict(top_p=0.5)):
+        for seed in range(20):
+            res = speculative_decode_with(
+                decoder, prompt, RandomDrafter(GREEDY.vocab_size, 4, seed=seed),
+                SpeculativeOptions(20, temperature=1.5, seed=seed, **kw),
+            )
+            check.reset()
+            logits = check.forward_batch(prompt + res.tokens[:-1])[len(prompt) - 1 :]  # [20, vocab]
+            for row, tok in zip(logits, res.tokens):
+                assert warp(row, temperature=1.5, **kw)[tok] > 0
+
+
+# -- stops, capacity, counters ------------------------------------------------------------------
+
+
+def test_a_stop_token_inside_an_accepted_block_ends_the_decode_there():
+    decoder = ReferenceDecoder(GREEDY)
+    prompt = next(_greedy_prompts())
+    continuation = plain_decode(decoder, prompt, SpeculativeOptions(40)).tokens
+    stop_at = 6
+    stop = continuation[stop_at]
+    first = continuation.index(stop)
+    res = speculative_decode_with(
+        decoder, prompt, OracleDrafter(prompt, continuation, 8),
+        SpeculativeOptions(40, stop_token_ids=(stop,)),
+    )
+    assert res.finish_reason == "stop"
+    assert res.tokens == continuation[: first + 1]
+    # the oracle's block of 8 was accepted past the stop, but only what was emitted counts
+    assert res.counters.emitted == len(res.tokens)
+    assert res.counters.verify_calls == 1
+    plain = plain_decode(decoder, prompt, SpeculativeOptions(40, stop_token_ids=(stop,)))
+    assert plain.tokens == res.tokens and plain.finish_reason == "stop"
+
+
+def test_capacity_ends_generation_cleanly_with_everything_generated():
+    cfg = ReferenceConfig(**{**GREEDY.__dict__, "capacity": 24})
+    decoder = ReferenceDecoder(cfg)
+    prompt = next(_greedy_prompts())  # 20 tokens
+    plain = plain_decode(decoder, prompt, SpeculativeOptions(50))
+    spec = speculative_decode_with(decoder, prompt, PromptLookupSpeculator(ngram_size=1), SpeculativeOptions(50))
+    # the last token is never fed, so prompt + new may reach capacity + 1
+    assert plain.finish_reason == spec.finish_reason == "capacity"
+    assert len(plain.tokens) == cfg.capacity + 1 - len(prompt)
+    assert spec.tokens == plain.tokens
+
+
+def test_bad_prompts_are_refused_before_decoding():
+    decoder = ReferenceDecoder(GREEDY)
+    o = SpeculativeOptions(4)
+    for prompt in ([], [0, GREEDY.vocab_size], [-1], list(range(10)) * 30):
+        with pytest.raises(InvalidPromptError):
+            speculative_decode_with(decoder, prompt, EmptyDrafter(), o)
+        with pytest.raises(InvalidPromptError):
+            plain_decode(decoder, prompt, o)
+
+
+def test_drafts_that_break_the_contract_are_refused():
+    decoder = ReferenceDecoder(GREEDY)
+    prompt = next(_greedy_prompts())
+    too_long = BadDrafter(DraftBlock.points([1] * 9))
+    with pytest.raises(DrafterError, match="at most 8"):
+        speculative_decode_with(decoder, prompt, too_long, SpeculativeOptions(10, max_draft_len=8))
+    out_of_range = BadDrafter(DraftBlock.points([GREEDY.vocab_size + 3]))
+    with pytest.raises(DrafterError, match="token ids must be in"):
+        speculative_decode_with(decoder, prompt, out_of_range, SpeculativeOptions(10))
+    wide = BadDrafter(DraftBlock((1,), (DraftDist(np.array([1, 99]), np.array([0.5, 0.5])),)))
+    with pytest.raises(DrafterError, match="vocab"):
+        speculative_decode_with(decoder, prompt, wide, SpeculativeOptions(10))
+
+
+def test_counters_add_up():
+    decoder = ReferenceDecoder(GREEDY)
+    for prompt, (temperature, seed) in zip(_greedy_prompts(), itertools.product((0.0, 1.0), range(3))):
+        res = speculative_decode_with(
+            decoder, prompt, RandomDrafter(GREEDY.vocab_size, 4, seed=seed),
+            SpeculativeOptions(37, temperature=temperature, seed=seed),
+        )
+        c = res.counters
+        assert c.emitted == len(res.tokens) == 37
+        assert c.drafted == c.accepted + c.rejected
+        assert c.drafted == sum(c.drafted_by_position) and c.accepted == sum(c.accepted_by_position)
+        assert c.recovered + c.bonus == c.target_calls  # every call ends in exactly one of them
+        assert c.model_seconds + c.draft_seconds + c.sample_seconds <= c.total_seconds
