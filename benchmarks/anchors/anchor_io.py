@@ -1,0 +1,255 @@
+"""What the anchor scripts share: the prompt file, the record format, the summary.
+
+Standard library only: this module is imported by `genai_anchor.py` under `.venv-anchors`,
+by `hf_anchor.py` under the main venv, and by the benchmark through `benchmarks.anchors`.
+
+Prompt file (JSON lines), one object per prompt:
+
+    {"id": "q82", "category": "writing", "prompt": "<|im_start|>system\\n...<|im_start|>assistant\\n"}
+    {"id": "q84", "category": "roleplay", "messages": [{"role": "user", "content": "..."}]}
+
+`prompt` is text already rendered through the chat template, tokenized as it is (special tokens
+in it are parsed, no BOS is added: SmolLM2's template starts with `<|im_start|>` itself). If
+`prompt` is absent, `messages` are rendered by the anchor with its own framework's copy of the
+model's chat template (generation prompt appended). Rendering once, here, with `render_chatml`
+is the way to give every system the very same text; every record carries the prompt's token
+count and a digest of its token ids, so identical inputs across systems can be checked.
+
+Record (JSON lines), one per prompt, mode and repeat:
+
+    system, system_version, model, threads, options      which anchor, how it was set up
+    id, category, mode ("plain" | "ngram"), repeat        what ran
+    prompt_tokens, prompt_digest                          its input
+    new_tokens, output_ids, finish_reason ("eos" | "length")
+    wall_s        append of the prompt to the last token (prefill included), seconds
+    prefill_s     the prompt's forward pass alone, where the system exposes it (else null)
+    tokens_per_s  new_tokens / wall_s
+    forward_calls model forward passes (prefill included)
+    matches_plain ngram records: output_ids == the first plain output of that prompt
+                  (greedy only; null when sampling); plain records: equal to their first repeat
+    stats         the system's own speculative counters, where it has them
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+# The system prompt that SmolLM2-135M-Instruct's chat template (in the GGUF's
+# tokenizer.chat_template) inserts when the conversation has none.
+DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+MODES = ("plain", "ngram")
+
+
+def render_chatml(
+    messages: Sequence[Mapping[str, str]], system_prompt: str | None = DEFAULT_SYSTEM_PROMPT
+) -> str:
+    """Render messages the way SmolLM2's ChatML template does, generation prompt appended.
+
+    A first message that is not a system message gets `system_prompt` before it (the template's
+    default); pass None to leave it out.
+    """
+    out = []
+    for i, m in enumerate(messages):
+        if i == 0 and m["role"] != "system" and system_prompt is not None:
+            out.append(f"<|im_start|>system\n{system_prompt}<|im_end|>\n")
+        out.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
+    out.append("<|im_start|>assistant\n")
+    return "".join(out)
+
+
+def load_spec_bench(
+    path: str | Path,
+    *,
+    split: str = "dev",
+    per_category: int | None = None,
+    categories: Iterable[str] | None = None,
+    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+) -> list[dict[str, Any]]:
+    """Spec-Bench questions as prompts: first turn, rendered with `render_chatml`.
+
+    split "dev" keeps even question ids, "test" odd ones, "all" both. `per_category` keeps the
+    first n of each category (in file order).
+    """
+    if split not in ("dev", "test", "all"):
+        raise ValueError(f"split must be dev, test or all, not {split!r}")
+    wanted = set(categories) if categories is not None else None
+    taken: dict[str, int] = defaultdict(int)
+    prompts = []
+    for q in read_jsonl(path):
+        qid = int(q["question_id"])
+        if split == "dev" and qid % 2:
+            continue
+        if split == "test" and not qid % 2:
+            continue
+        cat = q.get("category", "unknown")
+        if wanted is not None and cat not in wanted:
+            continue
+        if per_category is not None and taken[cat] >= per_category:
+            continue
+        taken[cat] += 1
+        prompts.append(
+            {
+                "id": f"q{qid}",
+                "category": cat,
+                "prompt": render_chatml([{"role": "user", "content": q["turns"][0]}], system_prompt),
+            }
+        )
+    return prompts
+
+
+def validate_prompts(prompts: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Check the prompt objects; returns plain dicts with id (str) and category filled in."""
+    out = []
+    seen = set()
+    for i, p in enumerate(prompts):
+        if not isinstance(p, Mapping):
+            raise ValueError(f"prompt {i}: expected an object, got {type(p).__name__}")
+        if "prompt" not in p and "messages" not in p:
+            raise ValueError(f"prompt {i}: needs 'prompt' (rendered text) or 'messages'")
+        if "prompt" in p and not isinstance(p["prompt"], str):
+            raise ValueError(f"prompt {i}: 'prompt' must be a string")
+        q = dict(p)
+        q["id"] = str(q.get("id", i))
+        q.setdefault("category", "unknown")
+        if q["id"] in seen:
+            raise ValueError(f"prompt {i}: duplicate id {q['id']!r}")
+        seen.add(q["id"])
+        out.append(q)
+    return out
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_jsonl(path: str | Path, rows: Iterable[Mapping[str, Any]]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+def prompt_digest(ids: Sequence[int]) -> str:
+    """Short digest of a token id sequence: equal digests = the same input tokens."""
+    return hashlib.sha256(json.dumps([int(t) for t in ids]).encode()).hexdigest()[:16]
+
+
+def mark_matches(records: list[dict[str, Any]], greedy: bool) -> None:
+    """Fill `matches_plain` in place (see the module docstring)."""
+    first_plain: dict[str, list[int]] = {}
+    for r in records:
+        if r["mode"] == "plain" and r["id"] not in first_plain:
+            first_plain[r["id"]] = r["output_ids"]
+    for r in records:
+        ref = first_plain.get(r["id"])
+        r["matches_plain"] = (r["output_ids"] == ref) if (greedy and ref is not None) else None
+
+
+def _geomean(xs: Sequence[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Speedup of ngram over plain: per prompt, per category and overall.
+
+    Per prompt: median plain wall / median ngram wall over the repeats (both modes ran
+    interleaved, so drift hits both alike). A category's figure is the geometric mean of its
+    prompts' speedups; so is the overall one. `identical` counts ngram records whose output
+    equals plain's.
+    """
+    runs = [r for r in records if r.get("mode") in MODES]
+    walls: dict[tuple[str, str], list[float]] = defaultdict(list)
+    category: dict[str, str] = {}
+    tokens: dict[tuple[str, str], list[int]] = defaultdict(list)
+    calls: dict[tuple[str, str], list[int]] = defaultdict(list)
+    identical = [0, 0]
+    for r in runs:
+        walls[(r["id"], r["mode"])].append(float(r["wall_s"]))
+        tokens[(r["id"], r["mode"])].append(int(r["new_tokens"]))
+        if r.get("forward_calls") is not None:
+            calls[(r["id"], r["mode"])].append(int(r["forward_calls"]))
+        category[r["id"]] = r.get("category", "unknown")
+        if r["mode"] == "ngram" and r.get("matches_plain") is not None:
+            identical[0] += bool(r["matches_plain"])
+            identical[1] += 1
+    per_prompt = {}
+    for pid, cat in category.items():
+        if not walls.get((pid, "plain")) or not walls.get((pid, "ngram")):
+            continue
+        plain = statistics.median(walls[(pid, "plain")])
+        ngram = statistics.median(walls[(pid, "ngram")])
+        per_prompt[pid] = {
+            "category": cat,
+            "speedup": plain / ngram,
+            "plain_wall_s": plain,
+            "ngram_wall_s": ngram,
+            "new_tokens": statistics.median(tokens[(pid, "plain")]),
+            "plain_forward_calls": statistics.median(calls[(pid, "plain")]) if calls[(pid, "plain")] else None,
+            "ngram_forward_calls": statistics.median(calls[(pid, "ngram")]) if calls[(pid, "ngram")] else None,
+        }
+    by_cat: dict[str, list[float]] = defaultdict(list)
+    for v in per_prompt.values():
+        by_cat[v["category"]].append(v["speedup"])
+    return {
+        "per_prompt": per_prompt,
+        "per_category": {c: {"speedup": _geomean(s), "prompts": len(s)} for c, s in sorted(by_cat.items())},
+        "overall": _geomean([v["speedup"] for v in per_prompt.values()]),
+        "ngram_identical_to_plain": f"{identical[0]}/{identical[1]}",
+    }
+
+
+def format_summary(name: str, summary: Mapping[str, Any]) -> str:
+    lines = [f"{name}: ngram vs plain speedup (plain wall / ngram wall; >1 = ngram faster)"]
+    for cat, v in summary["per_category"].items():
+        lines.append(f"  {cat:22s} {v['speedup']:6.2f}x   ({v['prompts']} prompts)")
+    lines.append(f"  {'overall (geomean)':22s} {summary['overall']:6.2f}x")
+    lines.append(f"  ngram output identical to plain: {summary['ngram_identical_to_plain']}")
+    return "\n".join(lines)
+
+
+def add_common_args(parser) -> None:
+    """CLI options every anchor script takes."""
+    parser.add_argument("--prompts", required=True, help="JSON-lines prompt file (see anchor_io)")
+    parser.add_argument("--out", default="-", help="JSON-lines output file ('-' = stdout)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1, help="A B pairs per prompt (interleaved)")
+    parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: the framework's)")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (default); >0 samples, no identity check"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    parser.add_argument("--modes", default="plain,ngram", help="comma-separated subset of plain,ngram")
+    parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up of each mode")
+
+
+def parse_modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise SystemExit(f"--modes: expected a subset of {','.join(MODES)}, got {text!r}")
+    return modes
+
+
+class RecordWriter:
+    """Writes records as JSON lines as they come (so a crash keeps what was measured)."""
+
+    def __init__(self, path: str):
+        import sys
+
+        self._f = sys.stdout if path == "-" else open(path, "w", encoding="utf-8")
+        self._close = path != "-"
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        if self._close:
+            self._f.close()

@@ -1,0 +1,82 @@
+"""Run the anchors on Spec-Bench prompts and print ngram-vs-plain speedups per category.
+
+    .venv/bin/python -m benchmarks.anchors.spec_bench \
+        --questions /path/to/spec_bench/question.jsonl --per-category 1 --max-new-tokens 128
+
+Dev split (even question ids), first turn, rendered through SmolLM2's ChatML template with its
+default system prompt. Records go to benchmarks/tmp/anchors-<system>.jsonl (git-ignored).
+Anchors that cannot run are reported and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make `benchmarks.anchors` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.anchors import (  # noqa: E402
+    REPO_ROOT,
+    format_summary,
+    genai_step_latency,
+    load_spec_bench,
+    run_genai_anchor,
+    run_hf_anchor,
+    summarize,
+)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--questions", default="/work/shared/data/spec_bench/question.jsonl")
+    ap.add_argument("--split", default="dev", choices=["dev", "test", "all"])
+    ap.add_argument("--per-category", type=int, default=1)
+    ap.add_argument("--categories", default=None, help="comma-separated (default: all)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--systems", default="genai,hf", help="comma-separated subset of genai,genai-int4,hf")
+    ap.add_argument("--step-latency", type=int, default=None, metavar="CONTEXT",
+                    help="also measure onnxruntime-genai's step latency at this context")
+    ap.add_argument("--outdir", default=str(REPO_ROOT / "benchmarks" / "tmp"))
+    args = ap.parse_args(argv)
+
+    cats = args.categories.split(",") if args.categories else None
+    prompts = load_spec_bench(args.questions, split=args.split, per_category=args.per_category, categories=cats)
+    print(f"{len(prompts)} prompts ({args.split} split), max_new_tokens {args.max_new_tokens}, "
+          f"repeats {args.repeats}", flush=True)
+    outdir = Path(args.outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    common = dict(max_new_tokens=args.max_new_tokens, repeats=args.repeats, threads=args.threads)
+    runners = {
+        "genai": lambda: run_genai_anchor(prompts, precision="fp32", **common),
+        "genai-int4": lambda: run_genai_anchor(prompts, precision="int4", **common),
+        "hf": lambda: run_hf_anchor(prompts, **common),
+    }
+    for name in args.systems.split(","):
+        if name not in runners:
+            print(f"unknown system {name!r}", file=sys.stderr)
+            return 2
+        runs = runners[name]()
+        if not runs:
+            print(f"\n{name}: skipped: {runs.reason}", flush=True)
+            continue
+        path = outdir / f"anchors-{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in runs))
+        print(f"\n{format_summary(name, summarize(runs))}\n  records: {path}", flush=True)
+    if args.step_latency:
+        for precision in ("fp32", "int4"):
+            r = genai_step_latency(args.step_latency, precision=precision, threads=args.threads)
+            if r:
+                print(f"\nonnxruntime-genai {precision} step at context {r['context']}: "
+                      f"median {r['median_ms']:.1f} ms (p10 {r['p10_ms']:.1f}, p90 {r['p90_ms']:.1f})")
+            else:
+                print(f"\nstep latency {precision}: skipped: {r.reason}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
