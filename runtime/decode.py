@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Literal, Sequence
+from typing import Callable, Generator, Iterator, Literal, Sequence
 
 import numpy as np
 
 from .errors import DrafterError, InvalidOptionError, InvalidPromptError
 from .protocols import Decoder, Drafter
+from .draft_length import DraftLengthPolicy
 from .sampling import DraftBlock, check_sampling_options, sample_from, verify_block, warp
 
 FinishReason = Literal["length", "stop", "capacity"]
@@ -68,6 +69,7 @@ class DecodeCounters:
     draft_seconds: float = 0.0  # inside drafter.propose
     sample_seconds: float = 0.0  # warping and the accept/resample rule
     total_seconds: float = 0.0
+    ort_seconds: float = 0.0  # inside ONNX Runtime's run calls, if the decoder counts them
 
     @property
     def target_calls(self) -> int:
@@ -122,13 +124,13 @@ class SpeculativeDecodeResult:
     tokens: list[int]  # new tokens, a stop token included when one ended the decode
     finish_reason: FinishReason
     counters: DecodeCounters
+    text: str | None = None  # filled in by Model.generate
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
 
 
-DraftLengthPolicy = Callable[[int], int]  # (largest allowed k) -> k to request
 
 
 def _check_prompt(decoder: Decoder, prompt: Sequence[int]) -> list[int]:
@@ -152,18 +154,50 @@ def _prefill(decoder: Decoder, prompt: list[int], counters: DecodeCounters) -> i
     """Reset, feed all but the last prompt token, return the pending token."""
     t0 = time.perf_counter()
     decoder.reset()
-    if len(prompt) > 1:
-        decoder.forward_batch(prompt[:-1])
+    # in chunks, so a long prompt never materialises [n, vocab] logits it does not need
+    chunk = getattr(decoder, "max_verify_len", None) or 64
+    for lo in range(0, len(prompt) - 1, chunk):
+        decoder.forward_batch(prompt[lo : min(lo + chunk, len(prompt) - 1)])
     counters.prefill_tokens = len(prompt) - 1
     counters.model_seconds += time.perf_counter() - t0
     return prompt[-1]
+
+
+class DecodeStream:
+    """Iterate over the tokens a decode emits, step by step (a list per target call); the
+    `SpeculativeDecodeResult` is in `.result` once the iteration has finished."""
+
+    def __init__(self, steps: Generator[list[int], None, SpeculativeDecodeResult]) -> None:
+        self._steps = steps
+        self.result: SpeculativeDecodeResult | None = None
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.result = yield from self._steps
+
+    def run(self) -> SpeculativeDecodeResult:
+        for _ in self:
+            pass
+        assert self.result is not None
+        return self.result
+
+
+def _ort_seconds(decoder: Decoder) -> float:
+    return float(getattr(decoder, "ort_seconds", 0.0))
 
 
 def plain_decode(
     decoder: Decoder, prompt: Sequence[int], options: SpeculativeOptions
 ) -> SpeculativeDecodeResult:
     """One `forward_token` per new token, sampled from `warp(logits)`: the reference."""
+    return DecodeStream(plain_decode_steps(decoder, prompt, options)).run()
+
+
+def plain_decode_steps(
+    decoder: Decoder, prompt: Sequence[int], options: SpeculativeOptions
+) -> Generator[list[int], None, SpeculativeDecodeResult]:
+    """`plain_decode` as a generator of emitted tokens; returns the result."""
     t_start = time.perf_counter()
+    ort_start = _ort_seconds(decoder)
     prompt = _check_prompt(decoder, prompt)
     counters = DecodeCounters()
     rng = np.random.default_rng(options.seed)
@@ -187,10 +221,12 @@ def plain_decode(
         counters.bonus += 1
         new.append(tok)
         pending = tok
+        yield [tok]
         if tok in stops:
             finish = "stop"
             break
     counters.total_seconds = time.perf_counter() - t_start
+    counters.ort_seconds = _ort_seconds(decoder) - ort_start
     return SpeculativeDecodeResult(new, finish, counters)
 
 
@@ -203,13 +239,31 @@ def speculative_decode_with(
     draft_length: DraftLengthPolicy | None = None,
 ) -> SpeculativeDecodeResult:
     """Speculative decoding with any drafter; the output is distributed exactly as `plain_decode`'s.
+    """
+    return DecodeStream(
+        speculative_decode_steps(decoder, prompt, drafter, options, draft_length=draft_length)
+    ).run()
+
+
+def speculative_decode_steps(
+    decoder: Decoder,
+    prompt: Sequence[int],
+    drafter: Drafter,
+    options: SpeculativeOptions,
+    *,
+    draft_length: DraftLengthPolicy | None = None,
+) -> Generator[list[int], None, SpeculativeDecodeResult]:
+    """`speculative_decode_with` as a generator of the tokens each step emits.
 
     Per step: ask the drafter for up to k tokens (k bounded by `options.max_draft_len`, the
-    tokens still wanted, the KV capacity and the decoder's `max_verify_len`, then by
-    `draft_length(k)` if given), verify pending + drafts in one call, apply the rule, roll the
-    cache back to what survived. An empty draft is a plain single-token step.
+    tokens still wanted, the KV capacity and the decoder's `max_verify_len`, then by the
+    `draft_length` policy's `limit`), keep the first `draft_length.choose(block)` of them,
+    verify pending + drafts in one call, apply the rule, roll the cache back to what survived.
+    An empty draft is a plain single-token step. The policy sees only the history and the
+    draft, never the target's random draws, so the output distribution is unchanged.
     """
     t_start = time.perf_counter()
+    ort_start = _ort_seconds(decoder)
     prompt = _check_prompt(decoder, prompt)
     counters = DecodeCounters()
     rng = np.random.default_rng(options.seed)
@@ -234,13 +288,15 @@ def speculative_decode_with(
         if verify_cap is not None:
             k_max = min(k_max, verify_cap - 1)
         if draft_length is not None and k_max > 0:
-            k_max = max(0, min(k_max, int(draft_length(k_max))))
-        block = DraftBlock.empty()
+            k_max = max(0, min(k_max, int(draft_length.limit(k_max))))
+        block = proposed = DraftBlock.empty()
         if k_max > 0:
             t0 = time.perf_counter()
-            block = drafter.propose(history, k_max)
-            counters.draft_seconds += time.perf_counter() - t0
+            block = proposed = drafter.propose(history, k_max)
             _check_block(block, k_max, vocab)
+            if draft_length is not None and len(block):
+                block = block.truncated(max(0, int(draft_length.choose(block))))
+            counters.draft_seconds += time.perf_counter() - t0
         base = decoder.length
         t0 = time.perf_counter()
         if len(block):
@@ -255,6 +311,8 @@ def speculative_decode_with(
         )
         counters.model_seconds += t1 - t0
         counters.sample_seconds += time.perf_counter() - t1
+        if draft_length is not None:
+            draft_length.observe(proposed, len(block), outcome.n_accepted, outcome.tokens[0])
         # emit one by one: a stop token ends the decode even inside an accepted block
         emitted = 0
         for tok in outcome.tokens:
@@ -274,9 +332,11 @@ def speculative_decode_with(
         # emitted token, which becomes the new pending one
         decoder.truncate(base + emitted)
         pending = history[-1]
+        yield history[len(history) - emitted :]
         if finish == "stop":
             break
     counters.total_seconds = time.perf_counter() - t_start
+    counters.ort_seconds = _ort_seconds(decoder) - ort_start
     return SpeculativeDecodeResult(history[len(prompt):], finish, counters)
 
 

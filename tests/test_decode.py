@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from fixtures_drafters import BadDrafter, EmptyDrafter, OracleDrafter, RandomDrafter
+from ortspec.runtime.draft_length import AdaptiveDraftLength, CostCurve
 from ortspec.runtime import (
     DraftBlock,
     DraftDist,
@@ -57,6 +58,11 @@ SAMPLING_CASES = {
 }
 
 
+def _policy():
+    """The cost-model policy with a CPU-like cost curve: it varies k from step to step."""
+    return AdaptiveDraftLength(CostCurve((1.0, 1.12, 1.25, 1.4)))
+
+
 def _drafter(name, vocab):
     if name == "random":
         return RandomDrafter(vocab, 3, seed=5)
@@ -66,7 +72,7 @@ def _drafter(name, vocab):
 
 
 @pytest.mark.parametrize("case", sorted(SAMPLING_CASES))
-@pytest.mark.parametrize("drafter_name", ["random", "prompt_lookup", "draft_model"])
+@pytest.mark.parametrize("drafter_name", ["random", "prompt_lookup", "draft_model", "prompt_lookup+policy"])
 def test_speculative_decode_at_temperature_matches_plain_sampling(case, drafter_name):
     """Sampled speculative decodes (8,000 of 4 tokens) against the exact per-position marginals
     of plain sampling, and the exact joint of the first two tokens: chi-squared tests."""
@@ -74,12 +80,15 @@ def test_speculative_decode_at_temperature_matches_plain_sampling(case, drafter_
     decoder = ReferenceDecoder(SMALL)
     prompt, n_new, n_runs = [1, 3, 1, 3], 4, 8000
     marginals, joint2 = exact_marginals(decoder, prompt, n_new, **kw)
-    drafter = _drafter(drafter_name, SMALL.vocab_size)
+    drafter = _drafter(drafter_name.split("+")[0], SMALL.vocab_size)
+    policy = _policy() if drafter_name.endswith("+policy") else None
     counts = np.zeros((n_new, SMALL.vocab_size), dtype=np.int64)
     joint_counts = np.zeros(SMALL.vocab_size**2, dtype=np.int64)
     accepted = drafted = 0
     for seed in range(n_runs):
-        res = speculative_decode_with(decoder, prompt, drafter, SpeculativeOptions(n_new, seed=seed, **kw))
+        res = speculative_decode_with(
+            decoder, prompt, drafter, SpeculativeOptions(n_new, seed=seed, **kw), draft_length=policy
+        )
         assert len(res.tokens) == n_new
         for i, t in enumerate(res.tokens):
             counts[i, t] += 1
@@ -134,8 +143,8 @@ def test_speculative_decode_matches_greedy_token_for_token(max_verify_len):
         options = SpeculativeOptions(60)
         reference = plain_decode(decoder, prompt, options)
         assert reference.counters.forward_token_calls == 60
-        for drafter in drafters:
-            res = speculative_decode_with(decoder, prompt, drafter, options)
+        for drafter, policy in itertools.product(drafters, (None, _policy())):
+            res = speculative_decode_with(decoder, prompt, drafter, options, draft_length=policy)
             assert res.tokens == reference.tokens, type(drafter).__name__
             assert res.counters.emitted == len(res.tokens) == 60
             accepted += res.counters.accepted

@@ -1,0 +1,158 @@
+"""`ortspec`: generate, export, bench, check.
+
+    ortspec export [SOURCE] [--out DIR] ...          (needs the `export` extra)
+    ortspec generate --model DIR --prompt "..." [--chat] [--temperature T] ...
+    ortspec bench [--split dev] [--per-category N] ...
+    ortspec check --model DIR [--providers ...]
+
+Errors the user can fix print as one line and exit with status 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from .errors import OrtspecError
+
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct-fp32"
+
+
+def models_dir() -> Path:
+    """Where downloads and exports are cached: $ORTSPEC_MODELS_DIR, else the repository's models/."""
+    env = os.environ.get("ORTSPEC_MODELS_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[1] / "models"
+
+
+def default_model_path() -> Path:
+    return models_dir() / "exported" / DEFAULT_MODEL_NAME
+
+
+def _model_arg(value: str | None) -> Path:
+    if value:
+        return Path(value)
+    path = default_model_path()
+    if not (path / "manifest.json").is_file():
+        raise OrtspecError(
+            f"no --model given and the default model is not exported yet ({path}); "
+            f"run `ortspec export` first"
+        )
+    return path
+
+
+def _providers_arg(value: str | None) -> list[str] | None:
+    return [p.strip() for p in value.split(",") if p.strip()] if value else None
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .decode import SpeculativeOptions
+    from .model import load_model
+
+    options = SpeculativeOptions(
+        args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        seed=args.seed, max_draft_len=args.max_draft_len,
+    )
+    if args.prompt is None and args.prompt_file is None:
+        raise OrtspecError("give --prompt TEXT or --prompt-file PATH")
+    if args.prompt_file is not None:
+        prompt = Path(args.prompt_file).read_text(encoding="utf-8")
+    else:
+        prompt = args.prompt
+    needs_draft = "draft-model" in args.drafter
+    model = load_model(_model_arg(args.model), providers=_providers_arg(args.providers),
+                       threads=args.threads, draft=(args.draft or True) if needs_draft else None)
+    drafter = model.make_drafter(args.drafter, ngram_size=args.ngram_size, max_draft_len=args.max_draft_len)
+    policy = None
+    if drafter is not None and not args.fixed_draft_len:
+        from .draft_length import AdaptiveDraftLength
+
+        policy = AdaptiveDraftLength.for_model(model)
+    stream = model.stream(prompt, drafter=drafter, options=options, chat=args.chat, draft_length=policy)
+    for piece in stream:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    r = stream.result
+    assert r is not None
+    c = r.counters
+    tps = r.num_tokens / c.total_seconds if c.total_seconds > 0 else 0.0
+    outside = 1 - c.ort_seconds / c.total_seconds if c.total_seconds > 0 else 0.0
+    print(
+        f"[{r.num_tokens} tokens, {tps:.1f} tok/s, finish={r.finish_reason}, "
+        f"{c.mean_tokens_per_call:.2f} tokens/call, acceptance {c.acceptance_rate:.1%} "
+        f"({c.accepted}/{c.drafted}), {c.target_calls} target calls, "
+        f"{outside:.1%} of wall time outside ORT]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ortspec", description="Lossless speculative decoding on ONNX Runtime")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("export", help="checkpoint -> ONNX model directory (run `ortspec export -h`)", add_help=False)
+
+    g = sub.add_parser("generate", help="decode a prompt, streaming the text")
+    g.add_argument("--model", help="model directory (default: the exported default model)")
+    g.add_argument("--prompt")
+    g.add_argument("--prompt-file")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    _add_sampling(g)
+    g.add_argument("--drafter", default="prompt-lookup",
+                   choices=["prompt-lookup", "none", "draft-model", "prompt-lookup+draft-model"])
+    g.add_argument("--draft", help="draft model directory (default: the one the manifest lists)")
+    g.add_argument("--ngram-size", type=int, default=3)
+    g.add_argument("--max-draft-len", type=int, default=8)
+    g.add_argument("--fixed-draft-len", action="store_true",
+                   help="always draft --max-draft-len tokens (no cost model)")
+    g.add_argument("--providers", help="comma-separated, e.g. CUDAExecutionProvider,CPUExecutionProvider")
+    g.add_argument("--threads", type=int, default=None)
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="latency benchmark on Spec-Bench (run `ortspec bench -h`)", add_help=False)
+    c = sub.add_parser("check", help="check an export and provider for losslessness", add_help=False)
+    del b, c
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "export":
+            try:
+                from ortspec.export.cli import main as export_main
+            except ImportError as e:
+                raise OrtspecError(
+                    f"`ortspec export` needs the export extra: pip install 'ortspec[export]' ({e})"
+                ) from None
+            return export_main(argv[1:])
+        if argv and argv[0] == "bench":
+            from .bench.cli import main as bench_main
+
+            return bench_main(argv[1:])
+        if argv and argv[0] == "check":
+            from .check import main as check_main
+
+            return check_main(argv[1:])
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except OrtspecError as e:
+        print(f"ortspec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""Choosing how many drafted tokens to verify, from a measured cost curve and learned acceptance.
+
+A verify call of n tokens costs c(n) (on a CPU, c(8) is about 1.5x c(1), not 1x), and a block of
+k drafts yields E(k) = 1 + sum_{i=1..k} prod_{j<=i} a_j tokens, a_j being the chance that draft j
+is accepted given that the ones before it were. Per verify, the policy picks
+
+    k* = argmax_k  E(k) / (c(k + 1) + k * c_draft)
+
+over k = 0 .. len(block); k = 0 is a plain single-token step. The choice depends only on the
+history and the draft (never on the target's random draws), so the output distribution is
+unchanged: the losslessness tests hold with the policy on.
+
+The a_j are learned online per drafter (`DraftBlock.source`) and, for prompt lookup, per match
+length (a 3-gram match is accepted far more often than a 1-gram one), starting from a prior.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from .sampling import DraftBlock
+
+CALIBRATION_VERSION = 1
+
+
+class DraftLengthPolicy(Protocol):
+    def limit(self, k_max: int) -> int: ...  # before drafting: most tokens worth drafting
+
+    def choose(self, block: DraftBlock) -> int: ...  # after drafting: how many to verify
+
+    def observe(self, proposed: DraftBlock, n_verified: int, n_accepted: int, first_token: int) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class CostCurve:
+    """seconds[n - 1]: the cost of one target call with n new tokens (n = 1: the step graph)."""
+
+    seconds: tuple[float, ...]
+
+    def cost(self, n: int) -> float:
+        if n <= len(self.seconds):
+            return self.seconds[n - 1]
+        # beyond the measured range: extend linearly from the last two points
+        s = self.seconds
+        slope = s[-1] - s[-2] if len(s) > 1 else s[-1]
+        return s[-1] + slope * (n - len(s))
+
+    def relative(self) -> list[float]:
+        return [x / self.seconds[0] for x in self.seconds]
+
+    @classmethod
+    def measure(cls, decoder, *, max_len: int, context: int = 256, repeats: int = 7, seed: int = 0) -> "CostCurve":
+        """Time calls of 1..max_len tokens at a context of `context` tokens, interleaved so the
+        machine's drift hits every length alike; median per length, made non-decreasing."""
+        rng = np.random.default_rng(seed)
+        context = max(1, min(context, decoder.capacity - max_len))
+        prompt = rng.integers(0, decoder.vocab_size, size=context).tolist()
+        decoder.reset()
+        chunk = getattr(decoder, "max_verify_len", None) or 64
+        for lo in range(0, context, chunk):
+            decoder.forward_batch(prompt[lo : lo + chunk])
+        times: list[list[float]] = [[] for _ in range(max_len)]
+        block = rng.integers(0, decoder.vocab_size, size=max_len).tolist()
+        for rep in range(repeats + 1):
+            order = range(1, max_len + 1) if rep % 2 else range(max_len, 0, -1)
+            for n in order:
+                decoder.truncate(context)
+                t0 = time.perf_counter()
+                if n == 1:
+                    decoder.forward_token(block[0])
+                else:
+                    decoder.forward_batch(block[:n])
+                if rep:  # the first round warms up
+                    times[n - 1].append(time.perf_counter() - t0)
+        decoder.reset()
+        med = np.maximum.accumulate([float(np.median(t)) for t in times])
+        return cls(tuple(float(x) for x in med))
+
+
+def machine_key(providers: Sequence[str]) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    key = f"{providers[0] if providers else 'unknown'}-{cpu}-{os.cpu_count()}cpu"
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in key)
+
+
+def calibrated_cost_curve(decoder, model_dir: str | os.PathLike, *, refresh: bool = False) -> CostCurve:
+    """The decoder's cost curve, cached in `model_dir/calibration/<provider>-<machine>.json`
+    (or ~/.cache/ortspec when the model directory is read-only); measured when missing."""
+    providers = list(getattr(decoder, "providers", []) or [])
+    name = machine_key(providers) + ".json"
+    max_len = getattr(decoder, "max_verify_len", None) or 16
+    candidates = [Path(model_dir) / "calibration" / name,
+                  Path.home() / ".cache" / "ortspec" / Path(model_dir).resolve().name / name]
+    if not refresh:
+        for path in candidates:
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+                secs = data["seconds"]
+                if data.get("version") == CALIBRATION_VERSION and len(secs) == max_len and all(
+                    isinstance(x, float) and x > 0 for x in secs
+                ):
+                    return CostCurve(tuple(secs))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+    curve = CostCurve.measure(decoder, max_len=max_len)
+    payload = json.dumps({"version": CALIBRATION_VERSION, "providers": providers,
+                          "seconds": list(curve.seconds), "relative": curve.relative()}, indent=1)
+    for path in candidates:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(payload, encoding="utf-8")
+            tmp.replace(path)
+            break
+        except OSError:
+            continue
+    return curve
+
+
+# -- acceptance ---------------------------------------------------------------------------------
+
+# Prior mean acceptance per draft position, before anything is observed. Prompt lookup by match
+# length: a longer matched n-gram predicts its continuation better.
+PRIOR_LOOKUP = {1: 0.3, 2: 0.45, 3: 0.6}
+PRIOR_MODEL = 0.6
+PRIOR_WEIGHT = 3.0  # pseudo-observations behind each prior
+DECAY = 0.98  # per observation of a key: recent behaviour of this request counts most
+
+
+class AcceptanceModel:
+    """Per (drafter, match length) and draft position j: P(draft j accepted | 1..j-1 accepted)."""
+
+    def __init__(self, max_len: int = 64) -> None:
+        self.max_len = max_len
+        self._tries: dict[tuple[str, int], np.ndarray] = {}
+        self._hits: dict[tuple[str, int], np.ndarray] = {}
+
+    @staticmethod
+    def key(block: DraftBlock) -> tuple[str, int]:
+        if block.source == "prompt_lookup":
+            return ("prompt_lookup", min(max(block.match_len, 1), 3))
+        return (block.source or "draft", 0)
+
+    @staticmethod
+    def prior(key: tuple[str, int]) -> float:
+        if key[0] == "prompt_lookup":
+            return PRIOR_LOOKUP[key[1]]
+        return PRIOR_MODEL
+
+    def _arrays(self, key: tuple[str, int]) -> tuple[np.ndarray, np.ndarray]:
+        if key not in self._tries:
+            self._tries[key] = np.zeros(self.max_len)
+            self._hits[key] = np.zeros(self.max_len)
+        return self._tries[key], self._hits[key]
+
+    def estimates(self, key: tuple[str, int], k: int) -> np.ndarray:  # [k]
+        tries, hits = self._arrays(key)
+        a0 = self.prior(key)
+        return (hits[:k] + a0 * PRIOR_WEIGHT) / (tries[:k] + PRIOR_WEIGHT)
+
+    def update(self, key: tuple[str, int], n_verified: int, n_accepted: int) -> None:
+        tries, hits = self._arrays(key)
+        tries *= DECAY
+        hits *= DECAY
+        seen = min(n_accepted + 1, n_verified)  # positions actually tested
+        tries[:seen] += 1
+        hits[:n_accepted] += 1
+
+    def update_unverified(self, key: tuple[str, int], would_accept: bool) -> None:
+        """A draft that was not verified (k = 0 chosen) still teaches something: the token the
+        plain step emitted equals the first draft with probability p(draft), which is exactly the
+        acceptance probability of a point-mass draft. Without this, a pessimistic estimate would
+        never be revisited."""
+        tries, hits = self._arrays(key)
+        tries *= DECAY
+        hits *= DECAY
+        tries[0] += 1
+        hits[0] += float(would_accept)
+
+
+def expected_tokens(a: np.ndarray) -> np.ndarray:  # a: [K] -> [K + 1], E(k) for k = 0..K
+    return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(a))])
+
+
+class AdaptiveDraftLength:
+    """The cost-model policy: k* = argmax E(k) / (c(k + 1) + k * c_draft)."""
+
+    def __init__(self, curve: CostCurve, *, draft_step_seconds: float = 0.0,
+                 acceptance: AcceptanceModel | None = None) -> None:
+        self.curve = curve
+        self.draft_step_seconds = draft_step_seconds
+        self.acceptance = acceptance or AcceptanceModel()
+        self.chosen: list[int] = []  # the k picked at each verify, for reports
+
+    @classmethod
+    def for_model(cls, model, *, refresh: bool = False) -> "AdaptiveDraftLength":
+        curve = calibrated_cost_curve(model.decoder, model.path, refresh=refresh)
+        draft_cost = 0.0
+        if getattr(model, "draft", None) is not None:
+            draft_dir = getattr(model.draft, "model_dir", model.path)
+            draft_cost = calibrated_cost_curve(model.draft, draft_dir, refresh=refresh).cost(1)
+        return cls(curve, draft_step_seconds=draft_cost)
+
+    def _best(self, a: np.ndarray, per_draft: float) -> int:
+        e = expected_tokens(a)
+        costs = np.array([self.curve.cost(k + 1) + k * per_draft for k in range(a.size + 1)])
+        return int(np.argmax(e / costs))
+
+    def limit(self, k_max: int) -> int:
+        if self.draft_step_seconds <= 0:
+            return k_max  # drafting is free (prompt lookup): draft all, choose after
+        a = self.acceptance.estimates(("draft_model", 0), k_max)
+        return self._best(a, self.draft_step_seconds)
+
+    def choose(self, block: DraftBlock) -> int:
+        a = self.acceptance.estimates(AcceptanceModel.key(block), len(block))
+        k = self._best(a, 0.0)  # the drafting is already paid for
+        self.chosen.append(k)
+        return k
+
+    def observe(self, proposed: DraftBlock, n_verified: int, n_accepted: int, first_token: int) -> None:
+        key = AcceptanceModel.key(proposed)
+        if n_verified:
+            self.acceptance.update(key, n_verified, n_accepted)
+        elif len(proposed):
+            self.acceptance.update_unverified(key, proposed.tokens[0] == first_token)

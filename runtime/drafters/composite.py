@@ -1,0 +1,35 @@
+"""Composition: try drafters in order, take the first non-empty block.
+
+Example: `FallbackDrafter([PromptLookupSpeculator(), DraftModelDrafter(draft)])` drafts from the
+history when an n-gram matches (free, and often long) and from the draft model otherwise. Each
+block keeps its drafter's `source`, so the decode counters tell which drafter produced every
+accepted token (`counters.accepted_by_source`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..errors import InvalidOptionError
+from ..protocols import Drafter
+from ..sampling import DraftBlock
+
+
+class FallbackDrafter:
+    def __init__(self, drafters: Sequence[Drafter]) -> None:
+        if not drafters:
+            raise InvalidOptionError("FallbackDrafter needs at least one drafter")
+        self.drafters = list(drafters)
+
+    def begin(self, options: object) -> None:
+        for d in self.drafters:
+            begin = getattr(d, "begin", None)
+            if begin is not None:
+                begin(options)
+
+    def propose(self, history: Sequence[int], max_tokens: int) -> DraftBlock:
+        for d in self.drafters:
+            block = d.propose(history, max_tokens)
+            if len(block):
+                return block
+        return DraftBlock.empty()

@@ -1,0 +1,200 @@
+"""`load_model`: a model directory -> decoder + tokenizer + chat format, ready to generate.
+
+    model = load_model("models/exported/smollm2-135m-instruct-fp32")
+    result = model.generate("Summarise: ...", chat=True, options=SpeculativeOptions(128))
+    print(result.text, result.counters.mean_tokens_per_call)
+    for piece in model.stream("Rewrite this function ...", chat=True):
+        print(piece, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from . import manifest as mf
+from .decode import (
+    DecodeStream,
+    SpeculativeDecodeResult,
+    SpeculativeOptions,
+    plain_decode_steps,
+    speculative_decode_steps,
+)
+from .drafters.prompt_lookup import PromptLookupSpeculator
+from .errors import InvalidOptionError, InvalidPromptError
+from .ort_decoder import OrtDecoder
+from .protocols import Drafter
+
+DRAFTER_NAMES = ("prompt-lookup", "none", "draft-model", "prompt-lookup+draft-model")
+
+
+@dataclasses.dataclass
+class Model:
+    decoder: OrtDecoder
+    tokenizer: Any  # tokenizers.Tokenizer
+    manifest: mf.Manifest
+    path: Path
+    draft: OrtDecoder | None = None  # a self-speculative draft exported beside the target
+
+    # -- text <-> tokens ------------------------------------------------------------------------
+
+    def encode(self, text: str, *, chat: bool = False, system: str | None = None) -> list[int]:
+        """Token ids for `text`; with `chat`, as one user turn through the chat format."""
+        if not isinstance(text, str):
+            raise InvalidPromptError(f"the prompt must be a string, got {type(text).__name__}")
+        if chat:
+            if self.manifest.chat_format is None:
+                raise InvalidOptionError(f"{self.path} has no chat format; use chat=False")
+            messages = [{"role": "user", "content": text}]
+            if system is not None:
+                messages.insert(0, {"role": "system", "content": system})
+            text = self.manifest.chat_format.render(messages)
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        bos = self.manifest.bos_token_id
+        if bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
+        if not ids:
+            raise InvalidPromptError("the prompt is empty; at least one token is needed")
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    # -- generation -----------------------------------------------------------------------------
+
+    def make_drafter(self, name: str = "prompt-lookup", *, ngram_size: int = 3, max_draft_len: int = 8) -> Drafter | None:
+        """A drafter by name: one of DRAFTER_NAMES ("none" gives None: plain decoding)."""
+        if name == "none":
+            return None
+        if name == "prompt-lookup":
+            return PromptLookupSpeculator(ngram_size=ngram_size, max_draft_len=max_draft_len)
+        if name in ("draft-model", "prompt-lookup+draft-model"):
+            from .drafters.composite import FallbackDrafter
+            from .drafters.draft_model import DraftModelDrafter
+
+            if self.draft is None:
+                raise InvalidOptionError(
+                    f"drafter {name!r} needs a draft model: export one with "
+                    f"`ortspec export --draft-quant int4` or `--draft-layers N`, then load_model(path, draft=...)"
+                )
+            model_drafter = DraftModelDrafter(self.draft, max_draft_len=min(max_draft_len, 4), target=self.decoder)
+            if name == "draft-model":
+                return model_drafter
+            lookup = PromptLookupSpeculator(ngram_size=ngram_size, max_draft_len=max_draft_len)
+            return FallbackDrafter([lookup, model_drafter])
+        raise InvalidOptionError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTER_NAMES)}")
+
+    def _prepare(self, prompt: str | Sequence[int], options: SpeculativeOptions | None, chat: bool,
+                 system: str | None) -> tuple[list[int], SpeculativeOptions]:
+        ids = self.encode(prompt, chat=chat, system=system) if isinstance(prompt, str) else list(prompt)
+        if options is None:
+            options = SpeculativeOptions(max_new_tokens=128)
+        if not options.stop_token_ids:
+            options = dataclasses.replace(options, stop_token_ids=self.manifest.stop_token_ids)
+        return ids, options
+
+    def _steps(self, ids: list[int], drafter: Drafter | str | None, options: SpeculativeOptions,
+               draft_length: Any):
+        if isinstance(drafter, str):
+            drafter = self.make_drafter(drafter)
+        if drafter is None:
+            return plain_decode_steps(self.decoder, ids, options)
+        return speculative_decode_steps(self.decoder, ids, drafter, options, draft_length=draft_length)
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        drafter: Drafter | str | None = "prompt-lookup",
+        options: SpeculativeOptions | None = None,
+        chat: bool = False,
+        system: str | None = None,
+        draft_length: Any = None,
+    ) -> SpeculativeDecodeResult:
+        """Decode `prompt` (text, or token ids) with `drafter` (None: plain decoding).
+
+        `options.stop_token_ids` defaults to the model's; `result.text` holds the decoded text.
+        """
+        ids, options = self._prepare(prompt, options, chat, system)
+        result = DecodeStream(self._steps(ids, drafter, options, draft_length)).run()
+        result.text = self.decode(result.tokens)
+        return result
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        drafter: Drafter | str | None = "prompt-lookup",
+        options: SpeculativeOptions | None = None,
+        chat: bool = False,
+        system: str | None = None,
+        draft_length: Any = None,
+    ) -> "TextStream":
+        """Like `generate`, yielding text as tokens are accepted; `.result` when done."""
+        ids, options = self._prepare(prompt, options, chat, system)
+        return TextStream(self, DecodeStream(self._steps(ids, drafter, options, draft_length)))
+
+
+class TextStream:
+    """Yields decoded text pieces; holds back an incomplete UTF-8 sequence until it completes."""
+
+    def __init__(self, model: Model, stream: DecodeStream) -> None:
+        self._model, self._stream = model, stream
+        self.result: SpeculativeDecodeResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        tokens: list[int] = []
+        shown = ""
+        for new in self._stream:
+            tokens.extend(new)
+            text = self._model.decode(tokens)
+            if text.endswith("\ufffd"):  # a multi-byte character split across tokens
+                continue
+            if text.startswith(shown) and len(text) > len(shown):
+                yield text[len(shown):]
+                shown = text
+        self.result = self._stream.result
+        assert self.result is not None
+        self.result.text = self._model.decode(self.result.tokens)
+        if self.result.text.startswith(shown) and len(self.result.text) > len(shown):
+            yield self.result.text[len(shown):]
+
+
+def load_model(
+    path: str | os.PathLike,
+    *,
+    providers: Any = None,
+    threads: int | None = None,
+    draft: str | os.PathLike | bool | None = None,
+) -> Model:
+    """Read and check `path/manifest.json`, open its entry points, load its tokenizer.
+
+    `draft`: a draft model directory to pair with the target, or True to take the one the
+    target's manifest lists (`extra["drafts"]`, first entry).
+    """
+    from tokenizers import Tokenizer
+
+    root = Path(path)
+    manifest = mf.read_manifest(root)
+    tok_path = mf.safe_member(root, manifest.tokenizer, what="manifest.tokenizer")
+    tokenizer = Tokenizer.from_file(str(tok_path))
+    decoder = OrtDecoder(root, manifest=manifest, providers=providers, threads=threads)
+    draft_decoder = None
+    if draft:
+        if draft is True:
+            drafts = manifest.extra.get("drafts") or []
+            if not drafts:
+                raise InvalidOptionError(f"{root} lists no draft model in its manifest")
+            draft_dir = mf.safe_member(root, drafts[0], what="manifest.extra.drafts")
+        else:
+            draft_dir = Path(draft)
+        draft_manifest = mf.read_manifest(draft_dir)
+        if draft_manifest.architecture.vocab_size != manifest.architecture.vocab_size:
+            raise InvalidOptionError(
+                f"draft {draft_dir} has a vocabulary of {draft_manifest.architecture.vocab_size}, "
+                f"the target {manifest.architecture.vocab_size}: they must share a tokenizer"
+            )
+        draft_decoder = OrtDecoder(draft_dir, manifest=draft_manifest, providers=providers, threads=threads)
+    return Model(decoder=decoder, tokenizer=tokenizer, manifest=manifest, path=root, draft=draft_decoder)
