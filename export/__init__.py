@@ -1,1 +1,24 @@
-"""ortspec.export: checkpoint -> ONNX decoder graphs + manifest."""
+"""ortspec.export: a checkpoint (Hugging Face directory, GGUF file, or the default model) ->
+an ONNX model directory the runtime loads with nothing else.
+
+Why the graph is built directly from the weights with the `onnx` helper API, not traced with
+torch.onnx:
+
+- It takes seconds and no example inputs: tracing runs the PyTorch model and records every
+  op, including its KV-cache bookkeeping, which the fixed-capacity in-place KV design replaces.
+- It emits ONNX Runtime's fused ops directly (SimplifiedLayerNormalization,
+  SkipSimplifiedLayerNormalization, GroupQueryAttention with rotary embedding and a shared
+  past/present KV buffer), the graph onnxruntime-genai's builder produces and the fastest
+  measured on the CPU; a traced graph would need a fusion pass that may or may not match.
+- The graph itself needs no torch: `graphs.build_decoder` takes NumPy arrays. torch and
+  transformers only load the checkpoint (GGUF dequantisation included) and serve as the
+  reference the export is validated against.
+- The tied LM head reuses the embedding table (Gemm with transB), so the weights are stored
+  once, in one external data file.
+
+Public API: `export_model`, `default_model_dir`, `ensure_default_model`; the CLI is `cli.main`.
+"""
+
+from .api import ExportOptionError, default_model_dir, ensure_default_model, export_model
+
+__all__ = ["ExportOptionError", "default_model_dir", "ensure_default_model", "export_model"]

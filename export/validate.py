@@ -1,0 +1,105 @@
+"""The export's last gate: run the written graph through `OrtDecoder` and compare logits.
+
+Two comparisons on a fixed prompt, both as max |difference| over every position and token:
+
+- verify vs step: the verify entry point run over the prompt in blocks of max_verify_len (so
+  every block after the first has a past), against the step entry point called token by token.
+  The two differ only in how ORT batches the arithmetic.
+- verify vs PyTorch: the same logits against one forward pass of the checkpoint in float32.
+
+fp32 tolerances: 1e-4 and 1e-3. fp16 exports round weights, activations and KV to half
+precision, so their bounds are relative to the largest |logit| of the reference: 1% between
+the entry points and 4% against float32 PyTorch (SmolLM2-135M measures about a quarter of each).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from ortspec.runtime import manifest as mf
+from ortspec.runtime.errors import ExportError
+from ortspec.runtime.ort_decoder import OrtDecoder
+
+from .checkpoint import Checkpoint
+
+VALIDATION_TEXT = ("The quick brown fox jumps over the lazy dog. Speculative decoding drafts "
+                   "several tokens and verifies them in one forward pass.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerances:
+    step_vs_verify: float  # absolute bound (fp32), or a fraction of max |logit| (fp16)
+    vs_pytorch: float
+    relative: bool  # True: the bounds above are multiplied by max |reference logit|
+
+
+TOLERANCES = {
+    "fp32": Tolerances(step_vs_verify=1e-4, vs_pytorch=1e-3, relative=False),
+    "fp16": Tolerances(step_vs_verify=1e-2, vs_pytorch=4e-2, relative=True),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidationReport:
+    prompt_tokens: int
+    step_vs_verify: float  # max |logits(verify) - logits(step)|
+    verify_vs_pytorch: float  # max |logits(verify) - logits(PyTorch)|
+    step_vs_pytorch: float
+    max_abs_logit: float  # of the PyTorch reference, the scale of the differences above
+    bound_step_vs_verify: float  # the absolute bounds applied
+    bound_vs_pytorch: float
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def validation_prompt(checkpoint: Checkpoint, *, capacity: int, max_verify_len: int) -> np.ndarray:
+    """Token ids [n] of a fixed text, repeated or cut so that n = min(capacity,
+    max(48, 2 * max_verify_len + 5)): at least two full verify blocks and a partial one."""
+    n = min(capacity, max(48, 2 * max_verify_len + 5))
+    ids = list(checkpoint.tokenizer(VALIDATION_TEXT, add_special_tokens=True)["input_ids"])
+    if not ids:
+        ids = [0]
+    while len(ids) < n:
+        ids += ids
+    arr = np.asarray(ids[:n], np.int64) % checkpoint.spec.vocab_size
+    return arr
+
+
+def validate_export(model_dir: Path, manifest: mf.Manifest, checkpoint: Checkpoint) -> \
+        ValidationReport:
+    """Raise ExportError when the graph's logits are outside the dtype's tolerances."""
+    ids = validation_prompt(checkpoint, capacity=manifest.capacity,
+                            max_verify_len=manifest.max_verify_len)
+    try:
+        decoder = OrtDecoder(model_dir, manifest=manifest, providers=["CPUExecutionProvider"])
+        verify = decoder.forward_batch(ids)  # [n, vocab]
+        decoder.reset()
+        step = np.stack([decoder.forward_token(int(t)) for t in ids])  # [n, vocab]
+    except ExportError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure to run the graph fails the export
+        raise ExportError(f"the exported graph does not run: {type(e).__name__}: {e}") from e
+    reference = checkpoint.torch_logits(ids)  # [n, vocab]
+    tol = TOLERANCES[manifest.dtype]
+    scale = float(np.abs(reference).max()) if tol.relative else 1.0
+    report = ValidationReport(
+        prompt_tokens=int(ids.size),
+        step_vs_verify=float(np.abs(verify - step).max()),
+        verify_vs_pytorch=float(np.abs(verify - reference).max()),
+        step_vs_pytorch=float(np.abs(step - reference).max()),
+        max_abs_logit=float(np.abs(reference).max()),
+        bound_step_vs_verify=tol.step_vs_verify * scale,
+        bound_vs_pytorch=tol.vs_pytorch * scale,
+    )
+    if not report.step_vs_verify <= report.bound_step_vs_verify:
+        raise ExportError(f"validation failed: verify and step logits differ by "
+                          f"{report.step_vs_verify:.3g} > {report.bound_step_vs_verify:.3g}")
+    worst = max(report.verify_vs_pytorch, report.step_vs_pytorch)
+    if not worst <= report.bound_vs_pytorch:
+        raise ExportError(f"validation failed: logits differ from PyTorch by {worst:.3g} > "
+                          f"{report.bound_vs_pytorch:.3g} ({manifest.dtype})")
+    return report
