@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                 ) from None
             return export_main(argv[1:])
         if argv and argv[0] == "bench":
-            from .bench.cli import main as bench_main
+            from ortspec.bench.cli import main as bench_main
 
             return bench_main(argv[1:])
         if argv and argv[0] == "check":

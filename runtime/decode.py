@@ -20,7 +20,7 @@ import numpy as np
 from .errors import DrafterError, InvalidOptionError, InvalidPromptError
 from .protocols import Decoder, Drafter
 from .draft_length import DraftLengthPolicy
-from .sampling import DraftBlock, check_sampling_options, sample_from, verify_block, warp
+from .sampling import DraftBlock, check_logits, check_sampling_options, sample_from, verify_block, warp
 
 FinishReason = Literal["length", "stop", "capacity"]
 
@@ -66,6 +66,7 @@ class DecodeCounters:
     accepted_by_source: dict[str, int] = dataclasses.field(default_factory=dict)
     drafted_by_source: dict[str, int] = dataclasses.field(default_factory=dict)
     model_seconds: float = 0.0  # inside the decoder (prefill included)
+    prefill_seconds: float = 0.0  # feeding the prompt
     draft_seconds: float = 0.0  # inside drafter.propose
     sample_seconds: float = 0.0  # warping and the accept/resample rule
     total_seconds: float = 0.0
@@ -159,7 +160,8 @@ def _prefill(decoder: Decoder, prompt: list[int], counters: DecodeCounters) -> i
     for lo in range(0, len(prompt) - 1, chunk):
         decoder.forward_batch(prompt[lo : min(lo + chunk, len(prompt) - 1)])
     counters.prefill_tokens = len(prompt) - 1
-    counters.model_seconds += time.perf_counter() - t0
+    counters.prefill_seconds = time.perf_counter() - t0
+    counters.model_seconds += counters.prefill_seconds
     return prompt[-1]
 
 
@@ -212,8 +214,12 @@ def plain_decode_steps(
         t0 = time.perf_counter()
         logits = decoder.forward_token(pending)
         t1 = time.perf_counter()
-        p_target = warp(logits, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
-        tok = sample_from(p_target, rng)
+        if options.temperature == 0:  # the point mass on the argmax, without building it
+            check_logits(logits)
+            tok = int(np.argmax(logits))
+        else:
+            p_target = warp(logits, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
+            tok = sample_from(p_target, rng)
         t2 = time.perf_counter()
         counters.model_seconds += t1 - t0
         counters.sample_seconds += t2 - t1

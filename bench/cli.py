@@ -1,0 +1,205 @@
+"""`ortspec bench`: plain vs speculative decoding on Spec-Bench, side by side, with anchors.
+
+    ortspec bench                                   # dev split, 2 prompts per category, greedy
+    ortspec bench --per-category 0 --temperature 0 --out benchmarks/dev-t0   # the full dev split
+    ortspec bench --methods plain,prompt-lookup,prompt-lookup:k2,prompt-lookup:k4,prompt-lookup:k8
+    ortspec bench --anchors genai,hf                # + onnxruntime-genai and HF transformers
+
+Writes `results.md` (tables), `results.json` (every decode, the machine, the command) and
+`speedup.png` / `acceptance.png` into `--out`. The anchors run in their own environment
+(`scripts/setup_anchors.sh`); when it is missing they are reported as unavailable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from ortspec.runtime.decode import SpeculativeOptions
+from ortspec.runtime.errors import InvalidOptionError, OrtspecError
+
+from . import report
+from .runner import BenchConfig, Method, run_pairs
+from .workload import CATEGORIES, SPLITS, BenchPrompt, interleave_categories, load_questions
+
+ANCHORS = ("genai", "genai-int4", "hf")
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="ortspec bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="model directory (default: the exported default model)")
+    ap.add_argument("--draft", help="draft model directory for the draft-model methods")
+    ap.add_argument("--questions", help="Spec-Bench question.jsonl (default: shared/data/spec_bench)")
+    ap.add_argument("--split", default="dev", choices=SPLITS)
+    ap.add_argument("--per-category", type=int, default=2, help="prompts per category; 0 = all")
+    ap.add_argument("--categories", help=f"comma-separated subset of {','.join(CATEGORIES)}")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--repeats", type=int, default=1, help="A B then B A ... per prompt")
+    ap.add_argument("--methods", default="plain,prompt-lookup",
+                    help="comma-separated: plain first, then e.g. prompt-lookup, prompt-lookup:k4, "
+                         "draft-model, prompt-lookup+draft-model")
+    ap.add_argument("--ngram-size", type=int, default=3)
+    ap.add_argument("--max-draft-len", type=int, default=8)
+    ap.add_argument("--anchors", default="", help=f"comma-separated subset of {','.join(ANCHORS)}")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--providers", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="benchmarks/tmp/latest", help="output directory")
+    args = ap.parse_args(argv)
+    if args.per_category < 0:
+        raise InvalidOptionError(f"--per-category must be >= 0, got {args.per_category}")
+    if args.max_new_tokens < 1:
+        raise InvalidOptionError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.repeats < 1:
+        raise InvalidOptionError(f"--repeats must be >= 1, got {args.repeats}")
+    if not (args.temperature >= 0):
+        raise InvalidOptionError(f"--temperature must be >= 0, got {args.temperature}")
+    for a in filter(None, args.anchors.split(",")):
+        if a not in ANCHORS:
+            raise InvalidOptionError(f"unknown anchor {a!r}; choose from {ANCHORS}")
+    return args
+
+
+def machine_description() -> dict[str, Any]:
+    import onnxruntime as ort
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    mem = None
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            mem = next((ln.split()[1] for ln in f if ln.startswith("MemTotal")), None)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cpu_count": os.cpu_count(), "mem_kib": mem, "python": platform.python_version(),
+            "onnxruntime": ort.__version__, "platform": platform.platform()}
+
+
+def _anchor_speedups(names: list[str], prompts: list[BenchPrompt], model, config: BenchConfig,
+                     threads: int | None) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
+    """Per-category n-gram speedup of each anchor over its own plain decoding."""
+    repo = Path(__file__).resolve().parents[1]
+    if str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))
+    try:
+        from benchmarks import anchors as A
+    except ImportError as e:
+        return {}, {n: f"unavailable: benchmarks/anchors not importable ({e})" for n in names}
+    chat = model.manifest.chat_format
+    rendered = [{"id": f"q{p.question_id}", "category": p.category,
+                 "prompt": chat.render([{"role": "user", "content": p.text}]) if chat else p.text}
+                for p in prompts]
+    out: dict[str, dict[str, float]] = {}
+    raw: dict[str, Any] = {}
+    for name in names:
+        print(f"anchor {name}: {len(rendered)} prompts ...", file=sys.stderr, flush=True)
+        common = dict(max_new_tokens=config.max_new_tokens, repeats=config.repeats, threads=threads,
+                      temperature=config.temperature, seed=config.seed)
+        if name == "hf":
+            runs = A.run_hf_anchor(rendered, **common)
+        else:
+            runs = A.run_genai_anchor(rendered, precision="int4" if name == "genai-int4" else "fp32", **common)
+        if not runs:
+            print(f"  {runs}", file=sys.stderr)
+            raw[name] = str(runs)
+            continue
+        raw[name] = runs
+        label = {"genai": "genai n-gram", "genai-int4": "genai-int4 n-gram", "hf": "HF prompt lookup"}[name]
+        out[label] = _ratio_by_category(runs)
+    return out, raw
+
+
+def _ratio_by_category(runs: list[dict[str, Any]]) -> dict[str, float]:
+    sums: dict[tuple[str, str], list[float]] = {}
+    for r in runs:
+        for cat in (r.get("category", "unknown"), "overall"):
+            s = sums.setdefault((cat, r["mode"]), [0.0, 0.0])
+            s[0] += r["new_tokens"]
+            s[1] += r["wall_s"]
+    out = {}
+    for (cat, mode), (tok, sec) in sums.items():
+        if mode == "ngram" and (cat, "plain") in sums:
+            ptok, psec = sums[(cat, "plain")]
+            if sec > 0 and psec > 0 and ptok > 0:
+                out[cat] = (tok / sec) / (ptok / psec)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ortspec.runtime.cli import _model_arg, _providers_arg
+    from ortspec.runtime.model import load_model
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = _parse(argv)
+        methods = [Method.parse(s) for s in args.methods.split(",") if s.strip()]
+        if not methods or methods[0].name != "plain":
+            methods = [Method.parse("plain")] + [m for m in methods if m.name != "plain"]
+        cats = tuple(args.categories.split(",")) if args.categories else None
+        prompts = interleave_categories(load_questions(
+            args.questions, split=args.split, per_category=args.per_category or None, categories=cats))
+        needs_draft = any("draft-model" in m.drafter for m in methods)
+        model = load_model(_model_arg(args.model), providers=_providers_arg(args.providers),
+                           threads=args.threads, draft=(args.draft or True) if needs_draft else None)
+    except OrtspecError as e:
+        print(f"ortspec bench: error: {e}", file=sys.stderr)
+        return 2
+    config = BenchConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                         repeats=args.repeats, ngram_size=args.ngram_size,
+                         max_draft_len=args.max_draft_len, seed=args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"{len(prompts)} prompts ({args.split} split), methods {[m.name for m in methods]}, "
+          f"temperature {args.temperature}, {args.max_new_tokens} new tokens", file=sys.stderr)
+    # warm up: thread pools, allocator, calibration (cached next to the model)
+    model.generate("Hello", chat=True, drafter=None, options=SpeculativeOptions(8))
+    try:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(prompts), desc="bench", unit="prompt", file=sys.stderr)
+        progress = bar.update
+    except ImportError:
+        bar, progress = None, None
+    records, skipped = run_pairs(model, prompts, methods, config, progress=progress)
+    if bar is not None:
+        bar.close()
+    names = [m.name for m in methods]
+    aggs = report.aggregate(records, methods=names)
+    anchor_names = [a for a in args.anchors.split(",") if a]
+    anchors, anchor_raw = _anchor_speedups(anchor_names, prompts, model, config, args.threads) if anchor_names else ({}, {})
+    command = "ortspec bench " + " ".join(shlex.quote(a) for a in argv)
+    title = f"{model.path.name}, {args.split} split, T={args.temperature}, {len(prompts)} prompts"
+    md = [f"# ortspec bench: {title}\n", f"Command: `{command}`\n",
+          f"Machine: {machine_description()['cpu']}, {os.cpu_count()} CPUs, "
+          f"providers {model.decoder.providers}. Date: {dt.date.today().isoformat()}.\n",
+          f"Skipped (prompt + new tokens over the capacity): {len(skipped)}.\n",
+          "## Speed and acceptance\n", report.markdown_tables(aggs, anchors=anchors),
+          "\n## Acceptance by draft position (accepted / drafted at that position)\n",
+          report.acceptance_table(aggs)]
+    if anchor_raw:
+        md.append("\n## Anchors\n")
+        for name, raw in anchor_raw.items():
+            md.append(f"- {name}: {raw if isinstance(raw, str) else f'{len(raw)} decodes'}\n")
+    (out / "results.md").write_text("".join(md), encoding="utf-8")
+    report.write_json(out / "results.json", {
+        "command": command, "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "machine": machine_description(), "model": str(model.path), "manifest_source": model.manifest.source,
+        "config": vars(config), "methods": names, "skipped": skipped, "aggregates": aggs,
+        "anchors": anchors, "anchor_records": {k: v for k, v in anchor_raw.items()}, "records": records,
+    })
+    plots = report.plot(aggs, out, anchors=anchors, title=title)
+    print("".join(md[4:6]))
+    print(f"wrote {out / 'results.md'}, {out / 'results.json'}" + "".join(f", {p}" for p in plots), file=sys.stderr)
+    return 0

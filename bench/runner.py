@@ -1,0 +1,140 @@
+"""Run plain and speculative decoding side by side on one loaded model.
+
+For each prompt, every method runs on the same decoder, one after the other, the order rotated
+from prompt to prompt (and reversed on each repeat: A B, then B A), so the machine's speed drift
+hits all methods alike. Only ratios between the methods of one prompt, and counts, are evidence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Iterable
+
+from ortspec.runtime.decode import SpeculativeOptions
+from ortspec.runtime.draft_length import AdaptiveDraftLength
+from ortspec.runtime.errors import InvalidOptionError
+
+from .workload import BenchPrompt
+
+DRAFTERS = ("none", "prompt-lookup", "draft-model", "prompt-lookup+draft-model")
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """`plain`, or a drafter with the cost-model draft length (`prompt-lookup`) or a fixed one
+    (`prompt-lookup:k4`)."""
+
+    name: str
+    drafter: str  # one of DRAFTERS
+    fixed_k: int | None = None  # None: the cost model picks k per verify
+
+    @classmethod
+    def parse(cls, spec: str) -> "Method":
+        spec = spec.strip()
+        if spec == "plain":
+            return cls("plain", "none")
+        m = re.fullmatch(r"([a-z+-]+)(?::k(\d+))?", spec)
+        if not m or m.group(1) not in DRAFTERS[1:]:
+            raise InvalidOptionError(
+                f"unknown method {spec!r}; use plain, or one of {DRAFTERS[1:]} optionally "
+                f"followed by :kN for a fixed draft length (e.g. prompt-lookup:k4)"
+            )
+        k = int(m.group(2)) if m.group(2) else None
+        if k is not None and not 1 <= k <= 64:
+            raise InvalidOptionError(f"fixed draft length must be in 1..64, got {k}")
+        return cls(spec, m.group(1), k)
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    repeats: int = 1
+    ngram_size: int = 3
+    max_draft_len: int = 8
+    seed: int = 0
+
+
+def _record(prompt: BenchPrompt, method: Method, rep: int, n_prompt: int, result: Any) -> dict[str, Any]:
+    c = result.counters
+    return {
+        "question_id": prompt.question_id,
+        "category": prompt.category,
+        "subcategory": prompt.subcategory,
+        "method": method.name,
+        "repeat": rep,
+        "prompt_tokens": n_prompt,
+        "new_tokens": result.num_tokens,
+        "finish_reason": result.finish_reason,
+        "seconds": c.total_seconds,
+        "prefill_seconds": c.prefill_seconds,
+        "ort_seconds": c.ort_seconds,
+        "model_seconds": c.model_seconds,
+        "draft_seconds": c.draft_seconds,
+        "sample_seconds": c.sample_seconds,
+        "verify_calls": c.verify_calls,
+        "forward_token_calls": c.forward_token_calls,
+        "drafted": c.drafted,
+        "accepted": c.accepted,
+        "recovered": c.recovered,
+        "bonus": c.bonus,
+        "drafted_by_position": list(c.drafted_by_position),
+        "accepted_by_position": list(c.accepted_by_position),
+        "accepted_by_source": dict(c.accepted_by_source),
+        "tokens": list(result.tokens),
+    }
+
+
+def run_pairs(
+    model: Any,
+    prompts: Iterable[BenchPrompt],
+    methods: list[Method],
+    config: BenchConfig,
+    *,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(records, skipped). Each record is one decode; at temperature 0 each speculative record
+    says whether its tokens equal the plain decode's of the same prompt and repeat."""
+    if not methods or methods[0].name != "plain":
+        raise InvalidOptionError("the first method must be 'plain': every speedup is relative to it")
+    policies: dict[str, AdaptiveDraftLength | None] = {}
+    for m in methods:
+        policies[m.name] = AdaptiveDraftLength.for_model(model) if m.drafter != "none" and m.fixed_k is None else None
+    capacity = model.decoder.capacity
+    records: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    for i, prompt in enumerate(prompts):
+        ids = model.encode(prompt.text, chat=model.manifest.chat_format is not None)
+        if len(ids) + config.max_new_tokens > capacity + 1:
+            skipped.append({"question_id": prompt.question_id, "category": prompt.category,
+                            "prompt_tokens": len(ids), "reason": f"does not fit the capacity {capacity}"})
+            if progress:
+                progress(1)
+            continue
+        shift = i % len(methods)
+        order = methods[shift:] + methods[:shift]
+        for rep in range(config.repeats):
+            seq = order if rep % 2 == 0 else order[::-1]
+            plain_tokens: list[int] | None = None
+            by_method: dict[str, dict[str, Any]] = {}
+            for m in seq:
+                k = m.fixed_k or config.max_draft_len
+                drafter = model.make_drafter(m.drafter, ngram_size=config.ngram_size, max_draft_len=k)
+                options = SpeculativeOptions(
+                    config.max_new_tokens, temperature=config.temperature,
+                    seed=config.seed * 1_000_003 + prompt.question_id * 101 + rep,
+                    stop_token_ids=model.manifest.stop_token_ids, max_draft_len=k,
+                )
+                result = model.generate(ids, drafter=drafter, options=options, draft_length=policies[m.name])
+                by_method[m.name] = _record(prompt, m, rep, len(ids), result)
+                if m.name == "plain":
+                    plain_tokens = list(result.tokens)
+            for m in methods:
+                rec = by_method[m.name]
+                if config.temperature == 0 and m.name != "plain":
+                    rec["identical_to_plain"] = rec["tokens"] == plain_tokens
+                records.append(rec)
+        if progress:
+            progress(1)
+    return records, skipped

@@ -1,0 +1,103 @@
+"""The benchmark's workload, method parsing and aggregation (no timing is asserted)."""
+
+import json
+
+import pytest
+
+from ortspec.bench.report import aggregate, markdown_tables
+from ortspec.bench.runner import Method
+from ortspec.bench.workload import CATEGORIES, interleave_categories, load_questions
+from ortspec.runtime.errors import InvalidOptionError
+
+
+@pytest.fixture()
+def questions(tmp_path):
+    rows = []
+    qid = 0
+    for sub in ["writing", "coding", "translation", "qa"]:
+        for _ in range(4):
+            rows.append({"question_id": qid, "category": sub, "turns": [f"{sub} question {qid}", "second turn"]})
+            qid += 1
+    path = tmp_path / "question.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_dev_split_is_even_ids_and_heldout_is_odd(questions):
+    dev = load_questions(questions, split="dev")
+    held = load_questions(questions, split="heldout")
+    assert all(q.question_id % 2 == 0 for q in dev) and all(q.question_id % 2 for q in held)
+    assert len(dev) + len(held) == 16
+    assert {q.category for q in dev} == {"multi-turn", "translation", "qa"}
+    assert all(q.text == f"{q.subcategory} question {q.question_id}" for q in dev)  # first turn only
+
+
+def test_per_category_takes_multi_turn_round_robin_over_subcategories(questions):
+    dev = load_questions(questions, split="dev", per_category=2)
+    mt = [q for q in dev if q.category == "multi-turn"]
+    assert [q.subcategory for q in mt] == ["coding", "writing"]
+    assert len(dev) == 6
+
+
+def test_prompts_are_interleaved_across_categories(questions):
+    dev = interleave_categories(load_questions(questions, split="dev"))
+    assert [q.category for q in dev[:3]] == ["multi-turn", "translation", "qa"]
+
+
+def test_bad_workload_options_are_refused(questions, tmp_path):
+    with pytest.raises(InvalidOptionError):
+        load_questions(questions, split="test")
+    with pytest.raises(InvalidOptionError):
+        load_questions(questions, categories=("poetry",))
+    with pytest.raises(InvalidOptionError):
+        load_questions(tmp_path / "missing.jsonl")
+
+
+def test_methods_parse():
+    assert Method.parse("plain").drafter == "none"
+    m = Method.parse("prompt-lookup:k4")
+    assert (m.drafter, m.fixed_k) == ("prompt-lookup", 4)
+    assert Method.parse("prompt-lookup").fixed_k is None
+    for bad in ("lookup", "prompt-lookup:k0", "prompt-lookup:4"):
+        with pytest.raises(InvalidOptionError):
+            Method.parse(bad)
+
+
+def _rec(method, qid, cat, tokens, seconds, prefill=0.0, **kw):
+    base = dict(question_id=qid, category=cat, method=method, repeat=0, new_tokens=tokens, seconds=seconds,
+                prefill_seconds=prefill, ort_seconds=seconds * 0.9, draft_seconds=0.0, sample_seconds=0.0,
+                verify_calls=0, forward_token_calls=tokens, drafted=0, accepted=0, recovered=0, bonus=tokens,
+                drafted_by_position=[], accepted_by_position=[])
+    base.update(kw)
+    return base
+
+
+def test_speedup_is_the_ratio_of_total_tokens_per_second_by_hand():
+    records = [
+        _rec("plain", 0, "qa", 100, 4.0, prefill=1.0),
+        _rec("plain", 2, "qa", 100, 6.0, prefill=1.0),
+        _rec("prompt-lookup", 0, "qa", 100, 2.0, prefill=1.0, verify_calls=20, forward_token_calls=10,
+             drafted=60, accepted=50, recovered=10, bonus=40, drafted_by_position=[20, 20, 20],
+             accepted_by_position=[20, 18, 12], identical_to_plain=True),
+        _rec("prompt-lookup", 2, "qa", 100, 6.0, prefill=1.0, verify_calls=0, forward_token_calls=100,
+             identical_to_plain=True),
+    ]
+    aggs = {(a.method, a.category): a for a in aggregate(records, methods=["plain", "prompt-lookup"])}
+    pl = aggs[("prompt-lookup", "qa")]
+    # plain: 200 tokens / 10 s = 20 tok/s; prompt lookup: 200 / 8 s = 25 tok/s -> 1.25x
+    assert pl.speedup == pytest.approx(1.25)
+    # without prefill: 200 / 8 s vs 200 / 6 s -> 1.333x
+    assert pl.decode_speedup == pytest.approx(8 / 6)
+    # per-prompt ratios 2.0 and 1.0 -> geometric mean sqrt(2)
+    assert pl.speedup_geomean == pytest.approx(2**0.5)
+    # 200 tokens over 130 target calls, bonus included
+    assert pl.tokens_per_call == pytest.approx(200 / 130)
+    assert pl.acceptance_by_position == pytest.approx([1.0, 0.9, 0.6])
+    assert pl.identical == 2
+    assert aggs[("prompt-lookup", "overall")].speedup == pytest.approx(1.25)
+    table = markdown_tables(list(aggs.values()))
+    assert "| qa | prompt-lookup | 2 | 25.0 | 1.25× | 1.33× |" in table
+
+
+def test_categories_are_the_documented_six():
+    assert CATEGORIES == ("multi-turn", "translation", "summarization", "qa", "math_reasoning", "rag")
