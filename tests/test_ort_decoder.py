@@ -1,0 +1,166 @@
+"""OrtDecoder against PyTorch and against itself on a tiny exported Llama: entry points agree,
+rollback is a length change with bitwise-identical logits, chunked prefill, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers_export import make_tiny_llama, write_graph_dir
+from transformers import AutoModelForCausalLM
+
+from ortspec.export import export_model
+from ortspec.runtime import manifest as mf
+from ortspec.runtime.errors import CapacityError, InvalidPromptError, OrtspecError
+from ortspec.runtime.ort_decoder import OrtDecoder
+
+CAP, VERIFY = 64, 4
+TOKENS = [5, 77, 301, 12, 190, 45, 9, 260, 33, 101, 7, 250, 64, 18]  # [14]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    src = make_tiny_llama(tmp_path_factory.mktemp("src") / "tiny-llama", seed=3)
+    out = export_model(src, out=tmp_path_factory.mktemp("out") / "llama", capacity=CAP,
+                       max_verify_len=VERIFY, progress=False)
+    return src, out
+
+
+@pytest.fixture()
+def decoder(tiny):
+    return OrtDecoder(tiny[1])
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    model = AutoModelForCausalLM.from_pretrained(tiny[0]).eval()
+    with torch.no_grad():
+        return model(torch.tensor([TOKENS])).logits[0].numpy()  # [n, vocab]
+
+
+def test_step_and_verify_match_pytorch(decoder, reference):
+    step = np.stack([decoder.forward_token(t) for t in TOKENS])  # [n, vocab]
+    decoder.reset()
+    verify = np.concatenate([decoder.forward_batch(TOKENS[i:i + VERIFY])
+                             for i in range(0, len(TOKENS), VERIFY)])
+    assert step.shape == verify.shape == (len(TOKENS), decoder.vocab_size)
+    assert step.dtype == np.float32
+    assert np.abs(step - verify).max() <= 1e-4
+    assert np.abs(step - reference).max() <= 1e-3
+    assert np.abs(verify - reference).max() <= 1e-3
+    assert np.abs(reference).max() > 0.5  # the logits are not trivially near zero
+    assert decoder.length == len(TOKENS)
+
+
+def test_rollback_gives_the_logits_of_a_fresh_decode_bitwise(decoder):
+    prefix, block, rejected = TOKENS[:6], TOKENS[6:9], [1, 2, 3]
+    decoder.forward_batch(prefix)
+    fresh = decoder.forward_batch(block)  # [3, vocab]
+    decoder.reset()
+    decoder.forward_batch(prefix)
+    decoder.forward_batch(rejected)  # a draft that was rejected...
+    decoder.truncate(len(prefix))  # ...rolled back by a length change
+    assert decoder.length == len(prefix)
+    again = decoder.forward_batch(block)
+    np.testing.assert_array_equal(again, fresh)
+    # step entry point after a partial rollback: stale KV beyond the length is never read
+    decoder.truncate(len(prefix) + 1)
+    one = decoder.forward_token(block[1])
+    decoder.forward_batch(rejected)  # different garbage beyond position len(prefix) + 1
+    decoder.truncate(len(prefix) + 1)
+    np.testing.assert_array_equal(decoder.forward_token(block[1]), one)
+
+
+def test_chunked_prefill_equals_its_blocks_and_token_by_token(decoder):
+    whole = decoder.forward_batch(TOKENS)  # 14 tokens > VERIFY: run as 4 + 4 + 4 + 2
+    assert whole.shape == (len(TOKENS), decoder.vocab_size)
+    assert decoder.ort_calls == 4
+    decoder.reset()
+    blocks = np.concatenate([decoder.forward_batch(TOKENS[i:i + VERIFY])
+                             for i in range(0, len(TOKENS), VERIFY)])
+    np.testing.assert_array_equal(whole, blocks)
+    decoder.reset()
+    steps = np.stack([decoder.forward_token(t) for t in TOKENS])
+    assert np.abs(whole - steps).max() <= 1e-4
+    decoder.reset()
+    np.testing.assert_array_equal(decoder.prefill(TOKENS), whole[-1])
+    assert decoder.length == len(TOKENS)
+
+
+def test_kv_buffers_are_updated_in_place(decoder):
+    buffers = [buf for _, _, buf in decoder._kv]
+    ptrs = [b.data_ptr() for b in buffers]
+    decoder.forward_batch(TOKENS[:5])
+    decoder.forward_token(TOKENS[5])
+    key0 = buffers[0].numpy()  # [1, kv_heads, capacity, head_dim]
+    assert np.abs(key0[:, :, :6]).min(axis=-1).max() > 0  # the 6 positions were written
+    assert not key0[:, :, 6:].any()  # nothing beyond them
+    assert [b.data_ptr() for b in buffers] == ptrs
+    outputs = {o.data_ptr() for o in decoder._bindings[id(decoder._sessions["step"])]
+               .io.get_outputs()}
+    assert set(ptrs) <= outputs  # the present outputs are the very same buffers
+
+
+def test_capacity_is_checked_before_running(decoder):
+    decoder.forward_batch(list(range(CAP - 2)))
+    calls = decoder.ort_calls
+    with pytest.raises(CapacityError, match="capacity of 64"):
+        decoder.forward_batch([1, 2, 3])
+    assert decoder.length == CAP - 2 and decoder.ort_calls == calls
+    decoder.forward_batch([1, 2])  # exactly full is fine
+    with pytest.raises(CapacityError):
+        decoder.forward_token(1)
+    assert decoder.length == CAP
+
+
+@pytest.mark.parametrize("tokens", [[-1], [320], [5, 400], [], [1.5], [[1, 2]]])
+def test_invalid_token_ids_are_refused(decoder, tokens):
+    decoder.forward_token(5)
+    with pytest.raises(InvalidPromptError):
+        decoder.forward_batch(tokens)
+    assert decoder.length == 1
+
+
+@pytest.mark.parametrize("length", [-1, 4, 2.0, True])
+def test_truncate_refuses_lengths_outside_the_cache(decoder, length):
+    decoder.forward_batch([1, 2, 3])
+    with pytest.raises(ValueError):
+        decoder.truncate(length)
+    assert decoder.length == 3
+    decoder.truncate(0)
+    assert decoder.length == 0
+
+
+def test_time_inside_onnxruntime_is_counted(decoder):
+    assert decoder.ort_seconds == 0.0 and decoder.ort_calls == 0
+    decoder.forward_token(3)
+    decoder.forward_batch([4, 5])
+    assert decoder.ort_calls == 2 and decoder.ort_seconds > 0.0
+
+
+def test_non_finite_logits_raise_and_keep_the_length(tmp_path):
+    d = write_graph_dir(tmp_path, poison=True)
+    dec = OrtDecoder(d)
+    with pytest.raises(OrtspecError, match="NaN or infinite"):
+        dec.forward_token(1)
+    assert dec.length == 0
+
+
+def test_two_graph_files_share_the_kv_buffers(tiny, tmp_path, decoder):
+    import dataclasses
+    import shutil
+
+    d = shutil.copytree(tiny[1], tmp_path / "two")
+    shutil.copy(d / "model.onnx", d / "verify.onnx")  # same weights file, second graph
+    m = mf.read_manifest(d, verify_checksums=False)
+    m = dataclasses.replace(
+        m, entry_points={**m.entry_points,
+                         "verify": dataclasses.replace(m.entry_points["verify"],
+                                                       graph="verify.onnx")},
+        files={**m.files, "verify.onnx": mf.sha256_file(d / "verify.onnx")})
+    m.write(d)
+    two = OrtDecoder(d)
+    assert two._sessions["step"] is not two._sessions["verify"]
+    a = [two.forward_token(t) for t in TOKENS[:3]] + list(two.forward_batch(TOKENS[3:7]))
+    b = [decoder.forward_token(t) for t in TOKENS[:3]] + list(decoder.forward_batch(TOKENS[3:7]))
+    np.testing.assert_array_equal(np.stack(a), np.stack(b))
