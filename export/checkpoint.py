@@ -6,8 +6,9 @@ The PyTorch model stays loaded because validation compares the exported graph ag
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import os
+import functools
 from typing import Any
 
 import numpy as np
@@ -79,34 +80,44 @@ def load_checkpoint(source: Source, *, capacity: int, progress: bool = True) -> 
     if source.gguf_file is not None:
         kwargs["gguf_file"] = source.gguf_file
     directory = str(source.directory)
-    # transformers' GGUF loader draws its own tqdm bars; TQDM_DISABLE silences them
-    saved = os.environ.get("TQDM_DISABLE")
-    bars = transformers.utils.logging.is_progress_bar_enabled()
-    if not progress:
-        os.environ["TQDM_DISABLE"] = "1"
-        transformers.utils.logging.disable_progress_bar()
     try:
-        config = transformers.AutoConfig.from_pretrained(directory, **kwargs)
-        check_config(config, capacity=capacity)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(directory, **kwargs)
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            directory, dtype=torch.float32, **kwargs)
+        with _quiet(not progress):
+            config = transformers.AutoConfig.from_pretrained(directory, **kwargs)
+            check_config(config, capacity=capacity)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(directory, **kwargs)
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                directory, dtype=torch.float32, **kwargs)
     except ExportError:
         raise
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise ExportError(f"transformers could not load {source.path}: {e}") from e
-    finally:
-        if bars:
-            transformers.utils.logging.enable_progress_bar()
-        if saved is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = saved
     model.eval()
     if not getattr(tokenizer, "is_fast", False) or not hasattr(tokenizer, "backend_tokenizer"):
         raise ExportError(f"{source.path}: needs a fast (tokenizers-library) tokenizer; got "
                           f"{type(tokenizer).__name__}")
     return Checkpoint(source, model, tokenizer, decoder_spec(model))
+
+
+@contextlib.contextmanager
+def _quiet(quiet: bool):
+    """Silence transformers' progress bars, restoring them afterwards. Its GGUF loader uses
+    plain tqdm (not transformers' switch), so that one is wrapped with disable=True."""
+    if not quiet:
+        yield
+        return
+    import transformers
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    enabled = transformers.utils.logging.is_progress_bar_enabled()
+    original = gguf_utils.tqdm
+    transformers.utils.logging.disable_progress_bar()
+    gguf_utils.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
+        if enabled:
+            transformers.utils.logging.enable_progress_bar()
 
 
 def check_config(config: Any, *, capacity: int) -> None:

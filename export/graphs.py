@@ -132,17 +132,17 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
             biases = [get_weight(b) for b in bias_names]
             if any(b is not None for b in biases):
                 rows = [np.zeros(a_out, np.float32) if b is None else np.asarray(b, np.float32)
-                        for b, a_out in zip(biases, _out_dims(spec, names))]
+                        for b, a_out in zip(biases, _out_dims(spec, names), strict=True)]
                 bname = fused + "_bias"
                 inits.append(writer.add(bname, np.concatenate(rows).astype(wdt)))
                 y = g.op1("Add", [y, bname])
             return y
 
         # seqlens_k = row sum of the mask - 1 (int32 [1]); total_sequence_length = mask width
-        mask_sum = g.op1("ReduceSum", [mf.ATTENTION_MASK, g.const("axes_1", np.array([1], np.int64))],
-                         keepdims=0)
-        seqlens_k = g.op1("Cast", [g.op1("Sub", [mask_sum, g.const("one_i64", np.array(1, np.int64))])],
-                          to=TensorProto.INT32)
+        axes = g.const("axes_1", np.array([1], np.int64))
+        mask_sum = g.op1("ReduceSum", [mf.ATTENTION_MASK, axes], keepdims=0)  # int64 [1]
+        one = g.const("one_i64", np.array(1, np.int64))
+        seqlens_k = g.op1("Cast", [g.op1("Sub", [mask_sum, one])], to=TensorProto.INT32)
         width = g.op1("Shape", [mf.ATTENTION_MASK], start=1, end=2)
         total_len = g.op1("Cast", [g.op1("Squeeze", [width])], to=TensorProto.INT32)
         inits.append(writer.add("rope_cos", rope_cos.astype(wdt)))

@@ -58,7 +58,8 @@ class Source:
         rec: dict[str, Any] = {"kind": self.kind, "path": str(self.path),
                                "sha256": sha256_file(self.path)}
         if self.recipe is not None:
-            rec["path"] = f"{self.recipe['package']}=={self.recipe['version']}:{self.recipe['member']}"
+            r = self.recipe
+            rec["path"] = f"{r['package']}=={r['version']}:{r['member']}"
             rec["recipe"] = self.recipe["name"]
             rec["wheel_sha256"] = self.recipe["wheel_sha256"]
         return rec
