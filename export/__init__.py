@@ -15,6 +15,9 @@ torch.onnx:
   reference the export is validated against.
 - The tied LM head reuses the embedding table (Gemm with transB), so the weights are stored
   once, in one external data file.
+- A second flavour for TensorRT (`attention="standard"`: ONNX opset-24 Attention,
+  TensorScatter, RotaryEmbedding, RMSNormalization) is a different attention block in the
+  same builder, not a different exporter.
 
 Public API: `export_model`, `default_model_dir`, `ensure_default_model`; the CLI is `cli.main`.
 """

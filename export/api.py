@@ -20,7 +20,8 @@ from ortspec.runtime import manifest as mf
 from ortspec.runtime.errors import ExportError, InvalidOptionError, ManifestError
 
 from . import chat
-from .graphs import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, GraphOptions, build_decoder
+from .graphs import ATTENTIONS, DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, GraphOptions, \
+    build_decoder
 from .sources import DEFAULT_RECIPE, Source, identify_source, materialize, models_dir
 
 GRAPH_FILE = "model.onnx"
@@ -31,16 +32,20 @@ VERIFY_RANGE = (1, 256)
 STAGES = ("load", "build", "save", "validate", "checksums")
 # bumped whenever the graph an export writes changes; ensure_default_model re-exports older ones
 EXPORTER_REVISION = 1
-# the providers each graph flavour is built for (see runtime/providers.py)
-GRAPH_PROVIDERS = {"fp32": "CPUExecutionProvider",
-                   "fp16": "CUDAExecutionProvider,CPUExecutionProvider"}
+# the providers each graph flavour is built for (see runtime/providers.py): ORT's CUDA GQA
+# kernel is fp16/bf16 only and TensorRT does not import GQA; standard ONNX ops run anywhere
+GRAPH_PROVIDERS = {("gqa", "fp32"): "CPUExecutionProvider",
+                   ("gqa", "fp16"): "CUDAExecutionProvider,CPUExecutionProvider",
+                   ("standard", "fp32"): "any", ("standard", "fp16"): "any"}
+ATTENTION_OPS = {"gqa": "GroupQueryAttention", "standard": "Attention"}
 
 
 class ExportOptionError(ExportError, InvalidOptionError):
     """An export option is out of range (also a ValueError)."""
 
 
-def check_options(*, capacity: int, max_verify_len: int, dtype: str, opset: int) -> None:
+def check_options(*, capacity: int, max_verify_len: int, dtype: str, opset: int,
+                  attention: str = "gqa") -> None:
     def integer(name: str, value: object, lo: int, hi: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
             raise ExportOptionError(f"{name} must be an integer in {lo}..{hi}, got {value!r}")
@@ -52,7 +57,11 @@ def check_options(*, capacity: int, max_verify_len: int, dtype: str, opset: int)
                                 f"({capacity})")
     if dtype not in mf.DTYPES:
         raise ExportOptionError(f"dtype must be one of {', '.join(mf.DTYPES)}, got {dtype!r}")
-    integer("opset", opset, MIN_OPSET, MAX_OPSET)
+    if attention not in ATTENTIONS:
+        raise ExportOptionError(f"attention must be one of {', '.join(ATTENTIONS)}, got "
+                                f"{attention!r}")
+    integer("opset" if attention == "gqa" else f"opset (with {attention} attention)", opset,
+            MIN_OPSET[attention], MAX_OPSET)
 
 
 def default_model_dir(dtype: str = "fp32") -> Path:
@@ -76,12 +85,19 @@ def ensure_default_model(dtype: str = "fp32", *, progress: bool = True) -> Path:
 
 def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathLike | None = None,
                  capacity: int = 2048, max_verify_len: int = 16, dtype: str = "fp32",
-                 opset: int = DEFAULT_OPSET, progress: bool = True,
+                 opset: int | None = None, attention: str = "gqa", progress: bool = True,
                  overwrite: bool = False) -> Path:
     """Export `source` (a Hugging Face model directory, a .gguf file, or None for the default
     model) to the directory `out`; returns its path. Raises ExportError (ExportOptionError for a
-    bad option) with nothing written."""
-    check_options(capacity=capacity, max_verify_len=max_verify_len, dtype=dtype, opset=opset)
+    bad option) with nothing written.
+
+    attention: "gqa" (onnxruntime's GroupQueryAttention: the CPU graph, and CUDA in fp16) or
+    "standard" (ONNX opset-24 Attention/TensorScatter/RotaryEmbedding, for TensorRT).
+    opset: the ai.onnx opset; None picks the attention flavour's default (21 or 24)."""
+    if opset is None and attention in ATTENTIONS:
+        opset = DEFAULT_OPSET[attention]
+    check_options(capacity=capacity, max_verify_len=max_verify_len, dtype=dtype, opset=opset,
+                  attention=attention)
     src = identify_source(source)
     dest = Path(out) if out is not None else models_dir() / "exported" / f"{src.name}-{dtype}"
     dest = dest.expanduser().absolute()
@@ -97,7 +113,8 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
     try:
         with tqdm(total=len(STAGES), desc="export", unit="stage", disable=not progress) as bar:
             _export_into(tmp, src, capacity=capacity, max_verify_len=max_verify_len,
-                                    dtype=dtype, opset=opset, progress=progress, bar=bar,
+                                    dtype=dtype, opset=opset, attention=attention,
+                                    progress=progress, bar=bar,
                                     started=started)
         mf.read_manifest(tmp)  # the directory as the runtime will see it
         os.chmod(tmp, 0o755)  # mkdtemp made it private; the result is an ordinary directory
@@ -114,7 +131,8 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
 
 
 def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, dtype: str,
-                 opset: int, progress: bool, bar: tqdm, started: float) -> mf.Manifest:
+                 opset: int, attention: str, progress: bool, bar: tqdm,
+                 started: float) -> mf.Manifest:
     from .checkpoint import load_checkpoint  # torch + transformers: only now
     from .validate import TOLERANCES, validate_export
 
@@ -128,9 +146,12 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
 
     stage("build")
     cos, sin = ckpt.rope_tables(capacity)
-    files = build_decoder(ckpt.spec, GraphOptions(capacity=capacity, dtype=dtype, opset=opset),
+    layers = ckpt.spec.num_layers
+    options = GraphOptions(capacity=capacity, dtype=dtype, opset=opset, attention=attention)
+    files = build_decoder(ckpt.spec, options,
                           ckpt.weight, cos, sin, graph_path=tmp / GRAPH_FILE,
-                          data_path=tmp / DATA_FILE)
+                          data_path=tmp / DATA_FILE,
+                          on_layer=lambda i: stage(f"build: layer {i + 1}/{layers}"))
     bar.update()
 
     stage("save")
@@ -139,7 +160,7 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
     generation_config = getattr(ckpt.model, "generation_config", None)
     stops = chat.stop_token_ids(ckpt.tokenizer, ckpt.model.config, generation_config,
                                 chat_format, ckpt.spec.vocab_size)
-    provider = GRAPH_PROVIDERS[dtype]
+    provider = GRAPH_PROVIDERS[attention, dtype]
     manifest = mf.Manifest(
         source=src.record(),
         architecture=ckpt.spec.architecture(),
@@ -153,7 +174,7 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
         chat_format=chat_format,
         chat_template=getattr(ckpt.tokenizer, "chat_template", None) or None,
         bos_token_id=chat.bos_token_id(ckpt.tokenizer),
-        extra={"exporter_revision": EXPORTER_REVISION, "attention": "GroupQueryAttention",
+        extra={"exporter_revision": EXPORTER_REVISION, "attention": ATTENTION_OPS[attention],
                "opset": opset,
                "tied_embeddings": ckpt.spec.tied_embeddings,
                "weight_bytes": files.weight_bytes},

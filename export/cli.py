@@ -11,7 +11,7 @@ import sys
 
 from ortspec.runtime.errors import OrtspecError
 
-from .graphs import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET
+from .graphs import ATTENTIONS, DEFAULT_OPSET, MAX_OPSET, MIN_OPSET
 
 PROG = "ortspec export"
 
@@ -39,8 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-verify-len", type=int, default=16,
                    help="longest verify block, 1..256 (default 16)")
     p.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32")
-    p.add_argument("--opset", type=int, default=DEFAULT_OPSET,
-                   help=f"ai.onnx opset, {MIN_OPSET}..{MAX_OPSET} (default {DEFAULT_OPSET})")
+    p.add_argument("--attention", choices=ATTENTIONS, default="gqa",
+                   help="gqa: onnxruntime's fused GroupQueryAttention (CPU; CUDA in fp16), the "
+                        "default; standard: ONNX opset-24 ops only, for TensorRT")
+    p.add_argument("--opset", type=int, default=None,
+                   help=f"ai.onnx opset, {MIN_OPSET['gqa']}..{MAX_OPSET} (default "
+                        f"{DEFAULT_OPSET['gqa']}; {MIN_OPSET['standard']} with standard attention)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -57,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
         out = export_model(args.source, out=args.out, capacity=args.capacity,
                            max_verify_len=args.max_verify_len, dtype=args.dtype, opset=args.opset,
+                           attention=args.attention,
                            progress=not args.quiet, overwrite=args.overwrite)
     except (OrtspecError, OSError) as e:
         print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)

@@ -11,6 +11,8 @@ once. Per layer, as onnxruntime-genai's model builder lays it out for the CPU:
 `GroupQueryAttention` applies the rotary embedding itself (do_rotary=1, cos/sin caches of
 `capacity` rows) and writes the new keys/values into the fixed-capacity KV buffer at the
 position the mask's row sum gives, in place when past and present are bound to one buffer.
+The "standard" flavour (for TensorRT) replaces the contrib ops with ONNX opset-24 ones
+(RMSNormalization + Add, RotaryEmbedding, TensorScatter, Attention); see attention.py.
 
 Weights arrive under canonical names (`WEIGHT_NAMES`), already float32 NumPy, so this module
 needs neither torch nor transformers. Linear weights are given as [out, in] (the PyTorch
@@ -33,9 +35,12 @@ from ortspec.runtime import manifest as mf
 from .onnx_writer import ExternalDataWriter, NodeList, alias
 
 MS = "com.microsoft"
-MIN_OPSET = 17  # Shape(start=, end=) needs 15, ReduceSum with axes as an input 13
-MAX_OPSET = 23  # the newest ai.onnx opset checked against onnxruntime 1.32 here
-DEFAULT_OPSET = 21
+ATTENTIONS = ("gqa", "standard")
+# gqa: Shape(start=, end=) needs 15, ReduceSum with axes as an input 13.
+# standard: TensorScatter and Attention's nonpad_kv_seqlen need 24.
+MIN_OPSET = {"gqa": 17, "standard": 24}
+MAX_OPSET = 24  # the newest ai.onnx opset checked against onnxruntime 1.32 here
+DEFAULT_OPSET = {"gqa": 21, "standard": 24}
 FAMILIES = ("llama", "qwen2")
 NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 ONNX_DTYPES = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}
@@ -81,7 +86,8 @@ class DecoderSpec:
 class GraphOptions:
     capacity: int  # rows of the KV buffers and of the cos/sin caches
     dtype: str  # "fp32" or "fp16": weights, activations and KV; logits are always fp32
-    opset: int = DEFAULT_OPSET
+    opset: int = DEFAULT_OPSET["gqa"]
+    attention: str = "gqa"  # "gqa" (ORT contrib ops, the CPU graph) or "standard" (ONNX ops)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,110 +111,117 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
     if rope_cos.shape != (options.capacity, spec.head_dim // 2) or rope_sin.shape != rope_cos.shape:
         raise ValueError(f"rope caches must be [{options.capacity}, {spec.head_dim // 2}], "
                          f"got {rope_cos.shape} and {rope_sin.shape}")
-    wdt = NUMPY_DTYPES[options.dtype]
-    g = NodeList()
+    check_opset(options.attention, options.opset)
+    from . import attention  # the two attention flavours; they use GraphBuilder
+
+    flavour = attention.FLAVOURS[options.attention]
     with ExternalDataWriter(data_path) as writer:
-        inits: list[TensorProto] = []
-
-        def weight(name: str, *, transpose: bool = False, required: bool = True) -> str | None:
-            arr = get_weight(name)
-            if arr is None:
-                if required:
-                    raise KeyError(f"checkpoint has no weight for {name!r}")
-                return None
-            arr = np.asarray(arr, dtype=np.float32)
-            if transpose:
-                arr = arr.T  # [out, in] -> [in, out]
-            inits.append(writer.add(name, arr.astype(wdt)))
-            return name
-
-        def linear(x: str, names: list[str], bias_names: list[str]) -> str:
-            """x @ concat(names).T (+ concat(biases)); several weights fuse into one MatMul."""
-            arrs = [np.asarray(get_weight(n), dtype=np.float32) for n in names]
-            fused = names[0] if len(names) == 1 else names[0].rsplit(".", 1)[0] + ".qkv"
-            inits.append(writer.add(fused, np.concatenate(arrs, axis=0).T.astype(wdt)))
-            del arrs
-            y = g.op1("MatMul", [x, fused])
-            biases = [get_weight(b) for b in bias_names]
-            if any(b is not None for b in biases):
-                rows = [np.zeros(a_out, np.float32) if b is None else np.asarray(b, np.float32)
-                        for b, a_out in zip(biases, _out_dims(spec, names), strict=True)]
-                bname = fused + "_bias"
-                inits.append(writer.add(bname, np.concatenate(rows).astype(wdt)))
-                y = g.op1("Add", [y, bname])
-            return y
-
-        # seqlens_k = row sum of the mask - 1 (int32 [1]); total_sequence_length = mask width
-        axes = g.const("axes_1", np.array([1], np.int64))
-        mask_sum = g.op1("ReduceSum", [mf.ATTENTION_MASK, axes], keepdims=0)  # int64 [1]
-        one = g.const("one_i64", np.array(1, np.int64))
-        seqlens_k = g.op1("Cast", [g.op1("Sub", [mask_sum, one])], to=TensorProto.INT32)
-        width = g.op1("Shape", [mf.ATTENTION_MASK], start=1, end=2)
-        total_len = g.op1("Cast", [g.op1("Squeeze", [width])], to=TensorProto.INT32)
-        inits.append(writer.add("rope_cos", rope_cos.astype(wdt)))
-        inits.append(writer.add("rope_sin", rope_sin.astype(wdt)))
-
-        embed = weight("embed")
-        x = g.op1("Gather", [embed, mf.INPUT_IDS])  # [1, S, hidden]
+        b = GraphBuilder(spec, options, get_weight, writer)
+        b.add_tensor("rope_cos", rope_cos)
+        b.add_tensor("rope_sin", rope_sin)
+        context = flavour.preamble(b)
+        embed = b.weight("embed")
+        x = b.g.op1("Gather", [embed, mf.INPUT_IDS])  # [1, S, hidden]
         residual = None
-        eps = float(spec.rms_norm_eps)
         for i in range(spec.num_layers):
             p = f"layers.{i}."
-            attn_norm = weight(p + "attn_norm")
-            if residual is None:
-                h = g.op1("SimplifiedLayerNormalization", [x, attn_norm], axis=-1, epsilon=eps,
-                          stash_type=1)
-                residual = x
-            else:
-                h, _, _, residual = g.op("SkipSimplifiedLayerNormalization",
-                                         [x, residual, attn_norm], 4, domain=MS, epsilon=eps)
-            qkv = linear(h, [p + "q", p + "k", p + "v"], [p + "q_bias", p + "k_bias", p + "v_bias"])
-            attn, _, _ = g.op(
-                "GroupQueryAttention",
-                [qkv, "", "", mf.past_key_name(i), mf.past_value_name(i), seqlens_k, total_len,
-                 "rope_cos", "rope_sin"],
-                3, domain=MS, name=f"layers.{i}.attn", num_heads=spec.num_heads,
-                kv_num_heads=spec.num_kv_heads, scale=float(spec.attention_scale), do_rotary=1,
-                rotary_interleaved=0, local_window_size=-1,
-            )
-            # GQA's 2nd/3rd outputs are the present buffers: rename them to the graph outputs
-            gqa = g.nodes[-1]
-            gqa.output[1], gqa.output[2] = mf.present_key_name(i), mf.present_value_name(i)
-            o = linear(attn, [p + "o"], [p + "o_bias"])
-            mlp_norm = weight(p + "mlp_norm")
-            h, _, _, residual = g.op("SkipSimplifiedLayerNormalization", [o, residual, mlp_norm],
-                                     4, domain=MS, epsilon=eps)
-            gate = linear(h, [p + "gate"], [p + "gate_bias"])
-            up = linear(h, [p + "up"], [p + "up_bias"])
-            act = g.op1("Mul", [g.op1("Mul", [gate, g.op1("Sigmoid", [gate])]), up])  # SiLU(g)*u
-            x = linear(act, [p + "down"], [p + "down_bias"])
+            h, residual = b.norm(x, residual, p + "attn_norm")
+            qkv = b.linear(h, [p + "q", p + "k", p + "v"],
+                           [p + "q_bias", p + "k_bias", p + "v_bias"], fused=p + "qkv")
+            attn = flavour.attention(b, i, qkv, context)  # [1, S, heads * head_dim]
+            o = b.linear(attn, [p + "o"], [p + "o_bias"])
+            h, residual = b.norm(o, residual, p + "mlp_norm")
+            gate = b.linear(h, [p + "gate"], [p + "gate_bias"])
+            up = b.linear(h, [p + "up"], [p + "up_bias"])
+            act = b.g.op1("Mul", [b.g.op1("Mul", [gate, b.g.op1("Sigmoid", [gate])]), up])
+            x = b.linear(act, [p + "down"], [p + "down_bias"])  # SiLU(gate) * up -> down
             if on_layer is not None:
                 on_layer(i)
-        final_norm = weight("norm")
-        h, _, _, _ = g.op("SkipSimplifiedLayerNormalization", [x, residual, final_norm], 4,
-                          domain=MS, epsilon=eps)
+        h, _ = b.norm(x, residual, "norm")
+        b.lm_head(h, embed)
+        weight_bytes = writer.bytes_written
+
+    model = _make_model(spec, options, b.g, b.inits)
+    graph_path.write_bytes(model.SerializeToString())
+    return GraphFiles(graph=graph_path, data=data_path, weight_bytes=weight_bytes)
+
+
+def check_opset(attention: str, opset: int) -> None:
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+    lo = MIN_OPSET[attention]
+    if not lo <= opset <= MAX_OPSET:
+        raise ValueError(f"opset {opset} is outside {lo}..{MAX_OPSET} for {attention} attention")
+
+
+class GraphBuilder:
+    """The node list, the weights file, and the pieces both attention flavours share."""
+
+    def __init__(self, spec: DecoderSpec, options: GraphOptions, get_weight: GetWeight,
+                 writer: ExternalDataWriter):
+        self.spec, self.options, self.g = spec, options, NodeList()
+        self.inits: list[TensorProto] = []  # external initializers
+        self._get, self._writer = get_weight, writer
+        self.wdt = NUMPY_DTYPES[options.dtype]
+
+    def add_tensor(self, name: str, array: np.ndarray) -> str:
+        self.inits.append(self._writer.add(name, np.asarray(array).astype(self.wdt)))
+        return name
+
+    def weight(self, name: str, *, transpose: bool = False) -> str:
+        arr = self._get(name)
+        if arr is None:
+            raise KeyError(f"checkpoint has no weight for {name!r}")
+        arr = np.asarray(arr, dtype=np.float32)
+        return self.add_tensor(name, arr.T if transpose else arr)  # [out, in] -> [in, out]
+
+    def linear(self, x: str, names: list[str], bias_names: list[str], *,
+               fused: str | None = None) -> str:
+        """x @ concat(names).T (+ concat(biases)); several weights fuse into one MatMul."""
+        name = fused or names[0]
+        arrs = [np.asarray(self._get(n), dtype=np.float32) for n in names]
+        self.add_tensor(name, np.concatenate(arrs, axis=0).T)
+        del arrs
+        y = self.g.op1("MatMul", [x, name])
+        biases = [self._get(b) for b in bias_names]
+        if any(b is not None for b in biases):
+            rows = [np.zeros(n_out, np.float32) if b is None else np.asarray(b, np.float32)
+                    for b, n_out in zip(biases, _out_dims(self.spec, names), strict=True)]
+            y = self.g.op1("Add", [y, self.add_tensor(name + "_bias", np.concatenate(rows))])
+        return y
+
+    def norm(self, x: str, residual: str | None, weight_name: str) -> tuple[str, str]:
+        """RMSNorm(x + residual) and the new residual (x itself before the first layer)."""
+        w, eps = self.weight(weight_name), float(self.spec.rms_norm_eps)
+        if self.options.attention == "standard":  # standard ONNX ops only (TensorRT imports them)
+            total = x if residual is None else self.g.op1("Add", [x, residual])
+            return self.g.op1("RMSNormalization", [total, w], axis=-1, epsilon=eps,
+                              stash_type=1), total
+        if residual is None:
+            return self.g.op1("SimplifiedLayerNormalization", [x, w], axis=-1, epsilon=eps,
+                              stash_type=1), x
+        h, _, _, total = self.g.op("SkipSimplifiedLayerNormalization", [x, residual, w], 4,
+                                   domain=MS, epsilon=eps)
+        return h, total
+
+    def lm_head(self, h: str, embed: str) -> None:
+        g, spec = self.g, self.spec
         if spec.tied_embeddings:
             # Gemm(A [S, hidden], embed [vocab, hidden], transB): the table is stored once; the
             # Gemm reads it under a second name (see onnx_writer.alias) so that ORT's packed
             # copy does not keep the Gather's memory-mapped original resident
             lm_head = "embed_as_lm_head"
-            inits.append(alias(next(t for t in inits if t.name == embed), lm_head))
+            self.inits.append(alias(next(t for t in self.inits if t.name == embed), lm_head))
             flat = g.op1("Reshape", [h, g.const("shape_rows_hidden",
                                                 np.array([-1, spec.hidden_size], np.int64))])
-            rows = g.op1("Gemm", [flat, lm_head], transB=1)
+            rows = g.op1("Gemm", [flat, lm_head], transB=1)  # [S, vocab]
             logits = g.op1("Reshape", [rows, g.const("shape_logits",
                                                      np.array([1, -1, spec.vocab_size], np.int64))])
         else:
-            logits = g.op1("MatMul", [h, weight("lm_head", transpose=True)])
-        if options.dtype != "fp32":
+            logits = g.op1("MatMul", [h, self.weight("lm_head", transpose=True)])
+        if self.options.dtype != "fp32":
             logits = g.op1("Cast", [logits], to=TensorProto.FLOAT)
-        g.op("Identity", [logits], 1, name="logits_out")
-        g.nodes[-1].output[0] = mf.LOGITS
-        weight_bytes = writer.bytes_written
-
-    model = _make_model(spec, options, g, inits)
-    graph_path.write_bytes(model.SerializeToString())
-    return GraphFiles(graph=graph_path, data=data_path, weight_bytes=weight_bytes)
+        g.op("Identity", [logits], name="logits_out", outputs=[mf.LOGITS])
 
 
 def _out_dims(spec: DecoderSpec, names: list[str]) -> list[int]:
@@ -238,7 +251,8 @@ def _make_model(spec: DecoderSpec, options: GraphOptions, g: NodeList,
                               initializer=[*g.initializers, *inits])
     model = helper.make_model(
         graph,
-        opset_imports=[helper.make_opsetid("", options.opset), helper.make_opsetid(MS, 1)],
+        opset_imports=[helper.make_opsetid("", options.opset)]
+        + ([helper.make_opsetid(MS, 1)] if options.attention == "gqa" else []),
         producer_name="ortspec.export",
     )
     model.ir_version = min(model.ir_version, 10)  # onnxruntime 1.20+ reads IR 10

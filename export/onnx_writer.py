@@ -98,12 +98,14 @@ class NodeList:
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[TensorProto] = []  # small constants kept inside the .onnx file
         self._count = 0
+        self._const_names: set[str] = set()
 
     def op(self, op_type: str, inputs: list[str], n_out: int = 1, *, name: str | None = None,
-           domain: str = "", **attrs) -> list[str]:
+           domain: str = "", outputs: list[str] | None = None, **attrs) -> list[str]:
+        """Append a node; its outputs are `outputs` or generated names, returned either way."""
         self._count += 1
         base = name or f"{op_type}_{self._count}"
-        outputs = [f"{base}/out{k}" for k in range(n_out)]
+        outputs = outputs or [f"{base}/out{k}" for k in range(n_out)]
         self.nodes.append(helper.make_node(op_type, inputs, outputs, name=base, domain=domain,
                                            **attrs))
         return outputs
@@ -112,5 +114,8 @@ class NodeList:
         return self.op(op_type, inputs, 1, **kw)[0]
 
     def const(self, name: str, array: np.ndarray) -> str:
-        self.initializers.append(numpy_helper.from_array(np.asarray(array), name))
+        """A small constant stored in the .onnx file; adding a name again reuses the first."""
+        if name not in self._const_names:
+            self._const_names.add(name)
+            self.initializers.append(numpy_helper.from_array(np.asarray(array), name))
         return name

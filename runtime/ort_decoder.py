@@ -10,6 +10,11 @@ draft) is an integer assignment, and the logits after it are those of a fresh de
 
 Only the logits come back to NumPy, into one preallocated buffer; the OrtValue bound as the
 `logits` output is a view of it, one per block length, rebound when the length changes.
+
+Under TensorRT, whose engines make no promise about an input aliasing an output, the KV lives
+in two sets of buffers instead ("ping-pong"): a call reads one set as past and writes the other
+as present (the graph copies the past rows over, O(capacity) on the device), then they swap.
+Both sets are pre-bound in two IOBindings, so a swap rebinds nothing.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ import onnxruntime as ort
 from . import manifest as mf
 from .errors import CapacityError, InvalidOptionError, InvalidPromptError, ManifestError, \
     NonFiniteLogitsError
-from .providers import kv_device, resolve_providers
+from .providers import default_kv_mode, kv_device, resolve_providers
 
 _KV_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+KV_MODES = ("shared", "ping-pong")  # one buffer set updated in place, or two that alternate
 
 
 class OrtDecoder:
@@ -41,7 +47,7 @@ class OrtDecoder:
 
     def __init__(self, model_dir: str | os.PathLike, *, manifest: mf.Manifest | None = None,
                  providers: Any = None, threads: int | None = None,
-                 session_options: ort.SessionOptions | None = None):
+                 session_options: ort.SessionOptions | None = None, kv_mode: str | None = None):
         self.model_dir = Path(model_dir)
         self.manifest = manifest if manifest is not None else mf.read_manifest(self.model_dir)
         m = self.manifest
@@ -65,19 +71,30 @@ class OrtDecoder:
         if self._kv_dtype is None:
             raise ManifestError(f"{self.model_dir}: graph input {mf.past_key_name(0)!r} is missing "
                                 f"or not float32/float16")
+        if kv_mode is None:
+            kv_mode = default_kv_mode(self.provider_config)
+        if kv_mode not in KV_MODES:
+            raise InvalidOptionError(f"kv_mode must be one of {', '.join(KV_MODES)}, got "
+                                     f"{kv_mode!r}")
+        self.kv_mode: str = kv_mode
         a = m.architecture
         kv_shape = [1, a.num_kv_heads, m.capacity, a.head_dim]
         device, device_id = kv_device(self.provider_config)
         zeros = np.zeros(kv_shape, self._kv_dtype)  # never-read garbage would be harmless too
-        self._kv: list[tuple[str, str, ort.OrtValue]] = []  # (past name, present name, buffer)
-        for i in range(a.num_layers):
-            for past, present in ((mf.past_key_name(i), mf.present_key_name(i)),
-                                  (mf.past_value_name(i), mf.present_value_name(i))):
+        self._kv_names = [(past, present) for i in range(a.num_layers)
+                          for past, present in ((mf.past_key_name(i), mf.present_key_name(i)),
+                                                (mf.past_value_name(i), mf.present_value_name(i)))]
+        self._kv_sets: list[list[ort.OrtValue]] = []  # [set][layer * 2 + (0 key | 1 value)]
+        for _ in range(2 if kv_mode == "ping-pong" else 1):
+            bufs = []
+            for _ in self._kv_names:
                 buf = ort.OrtValue.ortvalue_from_shape_and_type(kv_shape, self._kv_dtype, device,
                                                                  device_id)
                 buf.update_inplace(zeros)
-                self._kv.append((past, present, buf))
+                bufs.append(buf)
+            self._kv_sets.append(bufs)
         del zeros
+        self._current = 0  # the KV set that holds the cache (ping-pong flips it after each run)
 
         longest = max(e.max_len for e in m.entry_points.values())
         self._ids = np.zeros(longest, np.int64)  # [longest] staging for input_ids
@@ -85,10 +102,15 @@ class OrtDecoder:
         self._positions = np.arange(m.capacity, dtype=np.int64)  # for graphs with position_ids
         self._logits = np.empty(longest * self.vocab_size, np.float32)  # [longest * vocab]
         self._logit_values: dict[int, ort.OrtValue] = {}  # S -> view of _logits as [1, S, vocab]
-        self._bindings: dict[int, _Binding] = {}  # id(session) -> its IOBinding
+        # id(session) -> one IOBinding per current KV set (past = that set, present = the next)
+        self._bindings: dict[int, list[_Binding]] = {}
+        n_sets = len(self._kv_sets)
         for session in self._sessions.values():
             if id(session) not in self._bindings:
-                self._bindings[id(session)] = _Binding(session, self._kv, self.model_dir)
+                self._bindings[id(session)] = [
+                    _Binding(session, self._kv_names, self._kv_sets[k],
+                             self._kv_sets[(k + 1) % n_sets], self.model_dir)
+                    for k in range(n_sets)]
 
     # -- the Decoder protocol -------------------------------------------------------------------
 
@@ -163,7 +185,7 @@ class OrtDecoder:
         n = ids.size
         total = self._length + n
         session = self._sessions[entry]
-        binding = self._bindings[id(session)]
+        binding = self._bindings[id(session)][self._current]
         self._ids[:n] = ids
         binding.bind_step(
             self._ids[:n].reshape(1, n),  # [1, S]
@@ -180,6 +202,7 @@ class OrtDecoder:
             raise NonFiniteLogitsError(f"the {entry} graph returned NaN or infinite logits at "
                                        f"positions {self._length}..{total - 1}")
         self._length = total
+        self._current = (self._current + 1) % len(self._kv_sets)  # ping-pong: present is current
         return logits.copy()
 
     def _logits_value(self, n: int) -> ort.OrtValue:
@@ -192,17 +215,18 @@ class OrtDecoder:
 
     def _open_sessions(self, threads: int | None,
                        session_options: ort.SessionOptions | None) -> dict[str, Any]:
+        """One session per distinct graph file; both entry points share it when they can.
+
+        Two graphs get `allow_spinning=0`, so their intra-op pools do not spin against each
+        other. This never calls `set_global_thread_pool_sizes`: once global pools exist,
+        onnxruntime 1.32 refuses every later session in the process that does not set
+        `use_per_session_threads=False` (measured), a side effect a library must not have.
+        When the application has created them, the sessions here join them.
+        """
         graphs = {name: e.graph for name, e in self.manifest.entry_points.items()}
         for name, graph in graphs.items():
             mf.safe_member(self.model_dir, graph, what=f"entry point {name}")
-        shared = len(set(graphs.values())) > 1
-        if shared:
-            # Two graphs: one global thread pool, so the sessions do not spin against each other
-            try:
-                ort.set_global_thread_pool_sizes(threads or 0, 1)
-            except Exception:  # noqa: BLE001 - already created by an earlier session: reuse it
-                pass
-        providers = [(n, o) for n, o in self.provider_config]
+        several = len(set(graphs.values())) > 1
         sessions: dict[str, ort.InferenceSession] = {}
         by_graph: dict[str, ort.InferenceSession] = {}
         for name, graph in graphs.items():
@@ -210,10 +234,9 @@ class OrtDecoder:
                 so = session_options if session_options is not None else ort.SessionOptions()
                 if threads is not None:
                     so.intra_op_num_threads = threads
-                if shared:
-                    so.use_per_session_threads = False
-                by_graph[graph] = ort.InferenceSession(str(self.model_dir / graph), so,
-                                                       providers=providers)
+                if several:
+                    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+                by_graph[graph] = _session(str(self.model_dir / graph), so, self.provider_config)
             sessions[name] = by_graph[graph]
         return sessions
 
@@ -222,25 +245,41 @@ class OrtDecoder:
                 f"capacity={self.capacity}, providers={self.providers})")
 
 
+_global_pools_seen = False  # set once a session creation showed the process has global pools
+
+
+def _session(path: str, so: ort.SessionOptions, providers: list) -> ort.InferenceSession:
+    global _global_pools_seen
+    if not _global_pools_seen:
+        try:
+            return ort.InferenceSession(path, so, providers=providers)
+        except Exception as e:  # noqa: BLE001 - only the global-thread-pool case is retried
+            if "use_per_session_threads must be false" not in str(e):
+                raise
+            _global_pools_seen = True  # (onnxruntime printed its "EP Error" once)
+    so.use_per_session_threads = False  # the application created global thread pools
+    return ort.InferenceSession(path, so, providers=providers)
+
+
 class _Binding:
     """One session's IOBinding: KV buffers bound once as past and present, the rest per call."""
 
-    def __init__(self, session: ort.InferenceSession, kv: list[tuple[str, str, ort.OrtValue]],
-                 model_dir: Path):
+    def __init__(self, session: ort.InferenceSession, names: list[tuple[str, str]],
+                 past: list[ort.OrtValue], present: list[ort.OrtValue], model_dir: Path):
         self.io = session.io_binding()
         inputs = {i.name for i in session.get_inputs()}
         outputs = {o.name for o in session.get_outputs()}
-        needed_in = {mf.INPUT_IDS, mf.ATTENTION_MASK, *(p for p, _, _ in kv)}
-        needed_out = {mf.LOGITS, *(q for _, q, _ in kv)}
+        needed_in = {mf.INPUT_IDS, mf.ATTENTION_MASK, *(p for p, _ in names)}
+        needed_out = {mf.LOGITS, *(q for _, q in names)}
         missing = sorted((needed_in - inputs) | (needed_out - outputs))
         extra = sorted(inputs - needed_in - {mf.POSITION_IDS})
         if missing or extra:
             raise ManifestError(f"{model_dir}: graph I/O does not match the manifest "
                                 f"(missing {missing}, unexpected inputs {extra})")
         self.has_positions = mf.POSITION_IDS in inputs
-        for past, present, buf in kv:
-            self.io.bind_ortvalue_input(past, buf)
-            self.io.bind_ortvalue_output(present, buf)  # the same buffer: updated in place
+        for (past_name, present_name), src, dst in zip(names, past, present, strict=True):
+            self.io.bind_ortvalue_input(past_name, src)
+            self.io.bind_ortvalue_output(present_name, dst)  # shared mode: src is dst, in place
         self._bound_logits: ort.OrtValue | None = None
 
     def bind_step(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray,

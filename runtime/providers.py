@@ -72,6 +72,12 @@ def kv_device(providers: Sequence[tuple[str, dict[str, Any]]]) -> tuple[str, int
     return "cpu", 0
 
 
+def default_kv_mode(providers: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    """"shared" (past and present bound to one buffer, updated in place) unless TensorRT runs
+    the graph: its engines make no promise about an input aliasing an output ("ping-pong")."""
+    return "ping-pong" if providers[0][0] == TENSORRT else "shared"
+
+
 def _as_list(providers: Sequence[ProviderSpec] | str) -> list[ProviderSpec]:
     if isinstance(providers, str):
         return [providers]

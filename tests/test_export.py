@@ -227,7 +227,7 @@ def test_existing_output_needs_overwrite(llama_src, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the old copy is gone too
 
 
-@pytest.mark.parametrize("opset", [17, 23])
+@pytest.mark.parametrize("opset", [17, 24])
 def test_supported_opsets_export_and_validate(llama_src, tmp_path, opset):
     out = export_model(llama_src, out=tmp_path / "out", capacity=32, max_verify_len=2,
                        opset=opset, progress=False)

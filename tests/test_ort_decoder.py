@@ -88,7 +88,8 @@ def test_chunked_prefill_equals_its_blocks_and_token_by_token(decoder):
 
 
 def test_kv_buffers_are_updated_in_place(decoder):
-    buffers = [buf for _, _, buf in decoder._kv]
+    assert decoder.kv_mode == "shared" and len(decoder._kv_sets) == 1
+    buffers = decoder._kv_sets[0]
     ptrs = [b.data_ptr() for b in buffers]
     decoder.forward_batch(TOKENS[:5])
     decoder.forward_token(TOKENS[5])
@@ -96,7 +97,7 @@ def test_kv_buffers_are_updated_in_place(decoder):
     assert np.abs(key0[:, :, :6]).min(axis=-1).max() > 0  # the 6 positions were written
     assert not key0[:, :, 6:].any()  # nothing beyond them
     assert [b.data_ptr() for b in buffers] == ptrs
-    outputs = {o.data_ptr() for o in decoder._bindings[id(decoder._sessions["step"])]
+    outputs = {o.data_ptr() for o in decoder._bindings[id(decoder._sessions["step"])][0]
                .io.get_outputs()}
     assert set(ptrs) <= outputs  # the present outputs are the very same buffers
 
@@ -164,3 +165,21 @@ def test_two_graph_files_share_the_kv_buffers(tiny, tmp_path, decoder):
     a = [two.forward_token(t) for t in TOKENS[:3]] + list(two.forward_batch(TOKENS[3:7]))
     b = [decoder.forward_token(t) for t in TOKENS[:3]] + list(decoder.forward_batch(TOKENS[3:7]))
     np.testing.assert_array_equal(np.stack(a), np.stack(b))
+
+
+def test_decoders_join_global_thread_pools_an_application_created(tiny):
+    # in a fresh interpreter: global pools are process-wide and cannot be removed again
+    import subprocess
+    import sys
+
+    code = (
+        "import onnxruntime as ort, numpy as np\n"
+        "from ortspec.runtime.ort_decoder import OrtDecoder\n"
+        "ort.set_global_thread_pool_sizes(1, 1)\n"
+        f"d = OrtDecoder({str(tiny[1])!r})\n"
+        "print(np.isfinite(d.forward_batch([1, 2, 3])).all())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "True"

@@ -8,8 +8,8 @@ import pytest
 import ortspec.runtime.providers as providers_mod
 from ortspec.runtime import manifest as mf
 from ortspec.runtime.errors import ProviderError
-from ortspec.runtime.providers import CPU, CUDA, TENSORRT, kv_device, resolve_providers, \
-    tensorrt_profiles
+from ortspec.runtime.providers import CPU, CUDA, TENSORRT, default_kv_mode, kv_device, \
+    resolve_providers, tensorrt_profiles
 
 
 def _manifest(dtype: str, provider: str) -> mf.Manifest:
@@ -86,3 +86,9 @@ def test_kv_lives_on_the_device_of_the_first_provider():
     assert kv_device([(CPU, {})]) == ("cpu", 0)
     assert kv_device([(CUDA, {"device_id": 1}), (CPU, {})]) == ("cuda", 1)
     assert kv_device([(TENSORRT, {}), (CUDA, {})]) == ("cuda", 0)
+
+
+def test_only_tensorrt_gets_ping_pong_kv_buffers():
+    assert default_kv_mode([(TENSORRT, {}), (CUDA, {}), (CPU, {})]) == "ping-pong"
+    assert default_kv_mode([(CUDA, {}), (CPU, {})]) == "shared"
+    assert default_kv_mode([(CPU, {})]) == "shared"

@@ -1,0 +1,119 @@
+"""The two ways the decoder graph attends over its fixed-capacity KV buffers.
+
+Both read the same graph inputs (the mask's width is past + S) and write the new keys and
+values into `present.{i}.*` at positions past..past+S-1, in place when the runtime binds one
+buffer as past and present.
+
+- "gqa" (the default, for the CPU and CUDA EPs): onnxruntime's fused `GroupQueryAttention`
+  contrib op, rotary embedding included; it attends over the valid length only.
+- "standard" (for TensorRT, which does not import GQA): ONNX opset-24 ops only.
+  `RotaryEmbedding` with explicit positions, `TensorScatter` to write the new keys/values into
+  the cache, and `Attention` over the whole cache with a boolean mask that hides positions
+  beyond each query's own (and `nonpad_kv_seqlen` = the valid length).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from onnx import TensorProto
+
+from ortspec.runtime import manifest as mf
+
+from .graphs import MS, GraphBuilder
+
+
+@dataclasses.dataclass(frozen=True)
+class Flavour:
+    preamble: Callable[[GraphBuilder], dict[str, str]]  # graph-wide tensors the layers share
+    attention: Callable[[GraphBuilder, int, str, dict[str, str]], str]  # -> [1, S, heads * hd]
+
+
+# -- GroupQueryAttention ------------------------------------------------------------------------
+
+
+def _gqa_preamble(b: GraphBuilder) -> dict[str, str]:
+    g = b.g
+    # seqlens_k = row sum of the mask - 1 (int32 [1]); total_sequence_length = mask width
+    axes = g.const("axes_1", np.array([1], np.int64))
+    mask_sum = g.op1("ReduceSum", [mf.ATTENTION_MASK, axes], keepdims=0)  # int64 [1]
+    one = g.const("one_i64", np.array(1, np.int64))
+    seqlens_k = g.op1("Cast", [g.op1("Sub", [mask_sum, one])], to=TensorProto.INT32)
+    width = g.op1("Shape", [mf.ATTENTION_MASK], start=1, end=2)
+    total = g.op1("Cast", [g.op1("Squeeze", [width])], to=TensorProto.INT32)
+    return {"seqlens_k": seqlens_k, "total": total}
+
+
+def _gqa_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) -> str:
+    spec = b.spec
+    attn, _, _ = b.g.op(
+        "GroupQueryAttention",
+        [qkv, "", "", mf.past_key_name(i), mf.past_value_name(i), ctx["seqlens_k"],
+         ctx["total"], "rope_cos", "rope_sin"],
+        3, domain=MS, name=f"layers.{i}.attn",
+        outputs=[f"layers.{i}.attn/out0", mf.present_key_name(i), mf.present_value_name(i)],
+        num_heads=spec.num_heads, kv_num_heads=spec.num_kv_heads,
+        scale=float(spec.attention_scale), do_rotary=1, rotary_interleaved=0,
+        local_window_size=-1,
+    )
+    return attn
+
+
+# -- standard ONNX ops ----------------------------------------------------------------------------
+
+
+def _standard_preamble(b: GraphBuilder) -> dict[str, str]:
+    g, cap = b.g, b.options.capacity
+    one = g.const("one_i64", np.array(1, np.int64))
+    total = g.op1("Squeeze", [g.op1("Shape", [mf.ATTENTION_MASK], start=1, end=2)])  # past + S
+    s = g.op1("Squeeze", [g.op1("Shape", [mf.INPUT_IDS], start=1, end=2)])  # S
+    past = g.op1("Sub", [total, s])
+    positions = g.op1("Range", [past, total, one])  # [S]: past .. past + S - 1
+    axis0 = g.const("axes_0", np.array([0], np.int64))
+    axis1 = g.const("axes_1", np.array([1], np.int64))
+    slots = g.const("kv_slots", np.arange(cap, dtype=np.int64)[None, :])  # [1, capacity]
+    # query s sees key slot j when j <= its own position: [S, capacity] bool
+    mask = g.op1("LessOrEqual", [slots, g.op1("Unsqueeze", [positions, axis1])])
+    return {
+        "position_ids": g.op1("Unsqueeze", [positions, axis0]),  # [1, S]
+        "write_index": g.op1("Unsqueeze", [past, axis0]),  # [1]: where the new rows go
+        "valid": g.op1("Unsqueeze", [total, axis0]),  # [1]: nonpad_kv_seqlen
+        "mask": mask,
+    }
+
+
+def _heads_first(b: GraphBuilder, x: str, heads: int) -> str:
+    """[1, S, heads * hd] -> [1, heads, S, hd]."""
+    shape = b.g.const(f"shape_heads_{heads}", np.array([1, -1, heads, b.spec.head_dim], np.int64))
+    return b.g.op1("Transpose", [b.g.op1("Reshape", [x, shape])], perm=[0, 2, 1, 3])
+
+
+def _standard_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) -> str:
+    g, spec = b.g, b.spec
+    q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    sizes = g.const("qkv_split", np.array([q_dim, kv_dim, kv_dim], np.int64))
+    q, k, v = g.op("Split", [qkv, sizes], 3, axis=-1)
+    rope: dict[str, Any] = {"interleaved": 0}
+    q = g.op1("RotaryEmbedding", [q, "rope_cos", "rope_sin", ctx["position_ids"]],
+              num_heads=spec.num_heads, **rope)
+    k = g.op1("RotaryEmbedding", [k, "rope_cos", "rope_sin", ctx["position_ids"]],
+              num_heads=spec.num_kv_heads, **rope)
+    # the new rows go into the cache at past..past+S-1; present is the same buffer as past
+    key, value = mf.present_key_name(i), mf.present_value_name(i)
+    g.op("TensorScatter", [mf.past_key_name(i), _heads_first(b, k, spec.num_kv_heads),
+                           ctx["write_index"]], outputs=[key], axis=2)
+    g.op("TensorScatter", [mf.past_value_name(i), _heads_first(b, v, spec.num_kv_heads),
+                           ctx["write_index"]], outputs=[value], axis=2)
+    y = g.op1("Attention", [_heads_first(b, q, spec.num_heads), key, value, ctx["mask"], "", "",
+                            ctx["valid"]], scale=float(spec.attention_scale), is_causal=0)
+    flat = g.const("shape_rows_attn", np.array([1, -1, q_dim], np.int64))
+    return g.op1("Reshape", [g.op1("Transpose", [y], perm=[0, 2, 1, 3]), flat])  # [1, S, q_dim]
+
+
+FLAVOURS = {
+    "gqa": Flavour(preamble=_gqa_preamble, attention=_gqa_attention),
+    "standard": Flavour(preamble=_standard_preamble, attention=_standard_attention),
+}
