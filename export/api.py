@@ -134,7 +134,7 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
                  opset: int, attention: str, progress: bool, bar: tqdm,
                  started: float) -> mf.Manifest:
     from .checkpoint import load_checkpoint  # torch + transformers: only now
-    from .validate import TOLERANCES, validate_export
+    from .validate import validate_export
 
     def stage(name: str) -> None:
         bar.set_postfix_str(name)
@@ -188,8 +188,7 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
     stage("checksums")
     checksums = {name: mf.sha256_file(tmp / name) for name in (GRAPH_FILE, DATA_FILE,
                                                                TOKENIZER_FILE)}
-    tol = TOLERANCES[dtype]
-    extra = {**manifest.extra, "validation": {**report.as_dict(), "relative": tol.relative},
+    extra = {**manifest.extra, "validation": report.as_dict(),
              "export_seconds": round(time.perf_counter() - started, 2)}
     manifest = dataclasses.replace(manifest, files=checksums, extra=extra)
     manifest.write(tmp)

@@ -1,15 +1,17 @@
 """Per-call latency and memory of an exported model's graph, through OrtDecoder.
 
     python scripts/bench_graph.py [MODEL_DIR] [--context 256] [--lengths 1,2,4,8,16]
-                                  [--reps 30] [--threads N] [--genai-model DIR] [--rss]
+                                  [--reps 30] [--threads N] [--genai-model DIR]
+                                  [--compare DIR ...] [--rss]
 
 Latency: the cache is filled to `--context` tokens once; each repetition then times one call
 per block length (1 = the step entry point, forward_token; n > 1 = the verify entry point,
 forward_batch), in a shuffled order, rolling back to the context after each call, so every
 call sees the same past. With `--genai-model` (default: models/cache/genai-smollm2-fp32 when it
 exists) onnxruntime-genai's graph for the same model is timed in the same loop, interleaved
-call by call, through the same OrtDecoder binding code. This machine's speed drifts: read the
-ratios, not the absolute numbers.
+call by call, through the same OrtDecoder binding code; `--compare` adds other ortspec model
+directories (e.g. an `--attention standard` export) the same way. This machine's speed drifts:
+read the ratios, not the absolute numbers.
 
 Memory (`--rss`): a fresh subprocess loads the model, runs a prefill of the context and a
 verify block, and reports its peak RSS against weight bytes + KV bytes. It is started before
@@ -41,7 +43,7 @@ GENAI_DEFAULT = REPO / "models" / "cache" / "genai-smollm2-fp32"
 
 @dataclasses.dataclass(frozen=True)
 class LatencyRow:
-    engine: str  # "ortspec" or "genai"
+    engine: str  # "ortspec", "genai", or the name of a --compare directory
     block: int  # tokens per call
     median_ms: float  # wall time of the call, logits copy included
     median_ort_ms: float  # of which inside run_with_iobinding
@@ -177,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--genai-model", type=Path, default=None,
                    help=f"onnxruntime-genai model directory (default {GENAI_DEFAULT} if present); "
                         f"'none' to skip")
+    p.add_argument("--compare", type=Path, nargs="*", default=[],
+                   help="other ortspec model directories to time in the same loop")
     p.add_argument("--rss", action="store_true", help="also measure peak RSS in a subprocess")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--rss-child", action="store_true", help=argparse.SUPPRESS)
@@ -201,22 +205,24 @@ def main(argv: list[str] | None = None) -> int:
     if str(genai) != "none" and (genai / "genai_config.json").is_file():
         decoders["genai"] = genai_decoder(genai, ours.manifest, args.threads)
     elif args.genai_model is not None and str(genai) != "none":
-        print(f"note: {genai} has no genai_config.json; timing ortspec only", file=sys.stderr)
+        print(f"note: {genai} has no genai_config.json; skipping it", file=sys.stderr)
+    for other in args.compare:
+        decoders[other.name] = OrtDecoder(other, threads=args.threads)
     rows = time_calls(decoders, context=args.context, lengths=lengths, reps=args.reps)
 
     print(f"model {model_dir}  context {args.context}  reps {args.reps}  "
           f"providers {ours.providers}")
     header = f"{'block':>5} " + " ".join(f"{name + ' ms':>12} {'(in ORT)':>9}" for name in decoders)
-    if "genai" in decoders:
-        header += f" {'genai/ortspec':>14}"
+    others = [name for name in decoders if name != "ortspec"]
+    header += "".join(f" {name[:10] + '/ours':>15}" for name in others)
     print(header)
     by = {(r.engine, r.block): r for r in rows}
     for n in lengths:
         cells = [f"{by[name, n].median_ms:>12.2f} {by[name, n].median_ort_ms:>9.2f}"
                  for name in decoders]
         line = f"{n:>5} " + " ".join(cells)
-        if "genai" in decoders:
-            line += f" {by['genai', n].median_ms / by['ortspec', n].median_ms:>14.2f}"
+        line += "".join(f" {by[name, n].median_ms / by['ortspec', n].median_ms:>15.2f}"
+                        for name in others)
         print(line)
     result["latency"] = [dataclasses.asdict(r) for r in rows]
     if args.rss:

@@ -192,8 +192,8 @@ def test_unsupported_gguf_architecture_is_refused_from_its_header(tmp_path):
 
 def test_a_failed_validation_leaves_nothing_behind(llama_src, tmp_path, monkeypatch):
     # an impossible bound: the gate must fire, and the half-written directory must vanish
-    monkeypatch.setitem(validate_mod.TOLERANCES, "fp32",
-                        validate_mod.Tolerances(step_vs_verify=1.0, vs_pytorch=0.0, relative=False))
+    monkeypatch.setitem(validate_mod.TOLERANCES, "fp32", validate_mod.Tolerances(
+        step_vs_verify=validate_mod.Bound(1.0), vs_pytorch=validate_mod.Bound(0.0)))
     out = tmp_path / "a" / "b" / "out"
     with pytest.raises(ExportError, match="validation failed"):
         export_model(llama_src, out=out, capacity=CAP, max_verify_len=VERIFY, progress=False)
@@ -243,7 +243,8 @@ def test_fp16_export_keeps_fp32_logits(llama_src, tmp_path):
     assert ins[mf.past_key_name(0)][0] == TensorProto.FLOAT16
     assert outs[mf.LOGITS][0] == TensorProto.FLOAT
     v = m.extra["validation"]
-    assert v["relative"] is True and v["verify_vs_pytorch"] <= v["bound_vs_pytorch"]
+    assert v["verify_vs_pytorch"] <= v["bound_vs_pytorch"]
+    assert v["bound_vs_pytorch"] == pytest.approx(0.02 * v["max_abs_logit"])
     assert v["verify_vs_pytorch"] > 0  # half precision really was used
     # the fp16 data file holds half the bytes of fp32 weights (the rope tables too)
     assert m.extra["weight_bytes"] * 2 == mf.read_manifest(
@@ -263,3 +264,10 @@ def test_validation_prompt_covers_several_verify_blocks(llama_dir):
     assert len(set(ids.tolist())) > 5  # real text, not one repeated id
     np.testing.assert_array_equal(ids, validate_mod.validation_prompt(
         ckpt, capacity=CAP, max_verify_len=VERIFY))  # fixed
+
+
+def test_fp32_bounds_are_absolute_for_small_logits_and_scale_for_large_ones():
+    fp32 = validate_mod.TOLERANCES["fp32"]
+    assert fp32.step_vs_verify.at(2.5) == 1e-4  # tiny test models: the brief's 1e-4
+    assert fp32.step_vs_verify.at(38.5) == pytest.approx(1.54e-4)  # SmolLM2's logit scale
+    assert fp32.vs_pytorch.at(38.5) == 1e-3  # PyTorch comparison: 1e-3 whatever the scale
