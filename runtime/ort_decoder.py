@@ -58,7 +58,11 @@ class OrtDecoder:
         self.vocab_size: int = m.architecture.vocab_size
         self.capacity: int = m.capacity
         self.max_verify_len: int = m.entry_points["verify"].max_len
+        if kv_mode is not None and kv_mode not in KV_MODES:
+            raise InvalidOptionError(f"kv_mode must be one of {', '.join(KV_MODES)}, got "
+                                     f"{kv_mode!r}")
         self.provider_config = resolve_providers(providers, manifest=m, model_dir=self.model_dir)
+        self.kv_mode: str = kv_mode or default_kv_mode(self.provider_config)
         self._sessions = self._open_sessions(threads, session_options)
         self.providers: list[str] = self._sessions["step"].get_providers()
         self._length = 0
@@ -71,12 +75,6 @@ class OrtDecoder:
         if self._kv_dtype is None:
             raise ManifestError(f"{self.model_dir}: graph input {mf.past_key_name(0)!r} is missing "
                                 f"or not float32/float16")
-        if kv_mode is None:
-            kv_mode = default_kv_mode(self.provider_config)
-        if kv_mode not in KV_MODES:
-            raise InvalidOptionError(f"kv_mode must be one of {', '.join(KV_MODES)}, got "
-                                     f"{kv_mode!r}")
-        self.kv_mode: str = kv_mode
         a = m.architecture
         kv_shape = [1, a.num_kv_heads, m.capacity, a.head_dim]
         device, device_id = kv_device(self.provider_config)
@@ -85,7 +83,7 @@ class OrtDecoder:
                           for past, present in ((mf.past_key_name(i), mf.present_key_name(i)),
                                                 (mf.past_value_name(i), mf.present_value_name(i)))]
         self._kv_sets: list[list[ort.OrtValue]] = []  # [set][layer * 2 + (0 key | 1 value)]
-        for _ in range(2 if kv_mode == "ping-pong" else 1):
+        for _ in range(2 if self.kv_mode == "ping-pong" else 1):
             bufs = []
             for _ in self._kv_names:
                 buf = ort.OrtValue.ortvalue_from_shape_and_type(kv_shape, self._kv_dtype, device,
