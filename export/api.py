@@ -99,7 +99,9 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
     check_options(capacity=capacity, max_verify_len=max_verify_len, dtype=dtype, opset=opset,
                   attention=attention)
     src = identify_source(source)
-    dest = Path(out) if out is not None else models_dir() / "exported" / f"{src.name}-{dtype}"
+    flavour = "" if attention == "gqa" else f"-{attention}"
+    dest = Path(out) if out is not None else \
+        models_dir() / "exported" / f"{src.name}-{dtype}{flavour}"
     dest = dest.expanduser().absolute()
     if dest.exists() and not overwrite:
         raise ExportError(f"{dest} already exists; pass overwrite=True (--overwrite) to replace it")
@@ -112,10 +114,9 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
     started = time.perf_counter()
     try:
         with tqdm(total=len(STAGES), desc="export", unit="stage", disable=not progress) as bar:
-            _export_into(tmp, src, capacity=capacity, max_verify_len=max_verify_len,
-                                    dtype=dtype, opset=opset, attention=attention,
-                                    progress=progress, bar=bar,
-                                    started=started)
+            _export_into(tmp, src, capacity=capacity, max_verify_len=max_verify_len, dtype=dtype,
+                         opset=opset, attention=attention, progress=progress, bar=bar,
+                         started=started)
         mf.read_manifest(tmp)  # the directory as the runtime will see it
         os.chmod(tmp, 0o755)  # mkdtemp made it private; the result is an ordinary directory
         _move_into_place(tmp, dest)
