@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ManifestError
+from .onnx_guard import check_graph
 
 FORMAT_NAME = "ortspec-model"
 FORMAT_VERSION = 1
@@ -320,6 +321,9 @@ def read_manifest(directory: str | os.PathLike, *, verify_checksums: bool = True
             raise ManifestError(f"manifest.files names {name!r}, which is missing from {str(d)!r}")
         if verify_checksums and sha256_file(p) != digest:
             raise ManifestError(f"{name!r} does not match its sha256 in the manifest (corrupted?)")
+    for name in sorted({e.graph for e in m.entry_points.values()}):
+        # what the graph would make onnxruntime open: inside, listed, and the I/O expected
+        check_graph(d, name, m)
     return m
 
 
