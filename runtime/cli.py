@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import OrtspecError
+from .errors import InvalidOptionError, InvalidPromptError, OrtspecError
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct-fp32"
 
@@ -54,6 +54,44 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
+class UserErrorParser(argparse.ArgumentParser):
+    """argparse, with a bad value reported like every other user error: one line, status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise OrtspecError(f"{message} (see `{self.prog} -h`)")
+
+
+def _check_generate_args(args: argparse.Namespace) -> str:
+    """Everything `generate` can check before loading the model; returns the prompt text."""
+    from .drafters.prompt_lookup import PromptLookupSpeculator
+    from .providers import resolve_providers
+
+    if args.prompt is None and args.prompt_file is None:
+        raise OrtspecError("give --prompt TEXT or --prompt-file PATH")
+    if args.prompt is not None and args.prompt_file is not None:
+        raise OrtspecError("give --prompt TEXT or --prompt-file PATH, not both")
+    if args.seed is not None and args.seed < 0:
+        raise InvalidOptionError(f"--seed must be an integer >= 0, got {args.seed}")
+    if args.threads is not None and args.threads < 0:
+        raise InvalidOptionError(f"--threads must be an integer >= 0 (0 = onnxruntime's "
+                                 f"default), got {args.threads}")
+    if args.draft is not None and "draft-model" not in args.drafter:
+        raise InvalidOptionError(f"--draft is used only with --drafter draft-model or "
+                                 f"prompt-lookup+draft-model, not {args.drafter!r}")
+    PromptLookupSpeculator(ngram_size=args.ngram_size, max_draft_len=args.max_draft_len)
+    resolve_providers(_providers_arg(args.providers))  # names not offered here fail now
+    if args.prompt_file is None:
+        return args.prompt
+    try:
+        return Path(args.prompt_file).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidPromptError(f"--prompt-file {args.prompt_file!r} is not UTF-8 text ({e})") \
+            from None
+    except OSError as e:
+        raise OrtspecError(f"cannot read --prompt-file {args.prompt_file!r}: "
+                           f"{e.strerror or e}") from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from .decode import SpeculativeOptions
     from .model import load_model
@@ -62,12 +100,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, max_draft_len=args.max_draft_len,
     )
-    if args.prompt is None and args.prompt_file is None:
-        raise OrtspecError("give --prompt TEXT or --prompt-file PATH")
-    if args.prompt_file is not None:
-        prompt = Path(args.prompt_file).read_text(encoding="utf-8")
-    else:
-        prompt = args.prompt
+    prompt = _check_generate_args(args)
     needs_draft = "draft-model" in args.drafter
     model = load_model(_model_arg(args.model), providers=_providers_arg(args.providers),
                        threads=args.threads, draft=(args.draft or True) if needs_draft else None)
@@ -98,7 +131,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="ortspec", description="Lossless speculative decoding on ONNX Runtime")
+    ap = UserErrorParser(prog="ortspec", description="Lossless speculative decoding on ONNX Runtime")
     sub = ap.add_subparsers(dest="command", required=True)
 
     sub.add_parser("export", help="checkpoint -> ONNX model directory (run `ortspec export -h`)", add_help=False)
