@@ -96,11 +96,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .decode import SpeculativeOptions
     from .model import load_model
 
+    prompt = _check_generate_args(args)
     options = SpeculativeOptions(
         args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, max_draft_len=args.max_draft_len,
     )
-    prompt = _check_generate_args(args)
     needs_draft = "draft-model" in args.drafter
     model = load_model(_model_arg(args.model), providers=_providers_arg(args.providers),
                        threads=args.threads, draft=(args.draft or True) if needs_draft else None)

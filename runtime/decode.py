@@ -17,6 +17,7 @@ from typing import Callable, Generator, Iterator, Literal, Sequence
 
 import numpy as np
 
+from .history import TokenHistory
 from .errors import DrafterError, InvalidOptionError, InvalidPromptError
 from .protocols import Decoder, Drafter
 from .draft_length import DraftLengthPolicy
@@ -40,7 +41,21 @@ class SpeculativeOptions:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise InvalidOptionError(f"max_new_tokens must be an integer >= 1, got {n!r}")
         check_sampling_options(self.temperature, self.top_k, self.top_p)
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "temperature", float(self.temperature))
+        if self.top_p is not None:
+            object.__setattr__(self, "top_p", float(self.top_p))
+        if self.top_k is not None:
+            object.__setattr__(self, "top_k", int(self.top_k))
+        s = self.seed
+        if s is not None and (isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0):
+            raise InvalidOptionError(f"seed must be None or an integer >= 0, got {s!r}")
+        stops = self.stop_token_ids
+        if isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__"):
+            raise InvalidOptionError(f"stop_token_ids must be a sequence of token ids, got {stops!r}")
+        for t in stops:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0:
+                raise InvalidOptionError(f"stop_token_ids must be integers >= 0, got {t!r} in {stops!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
         m = self.max_draft_len
         if m is not None and (isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 0):
             raise InvalidOptionError(f"max_draft_len must be None or an integer >= 0, got {m!r}")
@@ -276,7 +291,7 @@ def speculative_decode_steps(
     stops = frozenset(options.stop_token_ids)
     vocab = decoder.vocab_size
     verify_cap = getattr(decoder, "max_verify_len", None)
-    history = list(prompt)  # the drafter sees this list; it only ever grows
+    history = TokenHistory(prompt)  # the drafter sees this list; it only ever grows
     begin = getattr(drafter, "begin", None)  # optional hook: a new request starts
     if begin is not None:
         begin(options)

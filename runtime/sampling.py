@@ -28,7 +28,7 @@ RESIDUAL_EPS = 1e-12  # a residual with less mass than this is rounding noise: f
 
 def check_sampling_options(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """Raise InvalidOptionError naming the value and the allowed range."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.integer, np.floating)):
         raise InvalidOptionError(f"temperature must be a number >= 0, got {temperature!r}")
     if not math.isfinite(temperature) or temperature < 0:
         raise InvalidOptionError(f"temperature must be a finite number >= 0, got {temperature!r}")
@@ -38,7 +38,7 @@ def check_sampling_options(temperature: float, top_k: int | None, top_p: float |
         raise InvalidOptionError(f"top_k must be None or an integer >= 1, got {top_k!r}")
     if top_p is not None and (
         isinstance(top_p, bool)
-        or not isinstance(top_p, (int, float))
+        or not isinstance(top_p, (int, float, np.integer, np.floating))
         or not math.isfinite(top_p)
         or not 0.0 < top_p <= 1.0
     ):
@@ -91,6 +91,7 @@ def warp(
     k highest logits and every token tied with the k-th. Top-p keeps the smallest set of most
     likely tokens whose probability reaches top_p.
     """
+    check_sampling_options(temperature, top_k, top_p)
     check_logits(logits)
     vocab = logits.shape[-1]
     if temperature == 0:
@@ -277,6 +278,23 @@ def accept_or_resample(
     Returns (emitted token, accepted?). A token with p_target = 0 is never accepted. If the
     residual has no mass left (rounding), the token is drawn from p_target instead.
     """
+    p_target = np.asarray(p_target, dtype=np.float64)
+    if p_target.ndim != 1 or not np.isfinite(p_target).all() or (p_target < 0).any() or abs(
+        float(p_target.sum()) - 1.0
+    ) > PROB_SUM_TOL:
+        raise InvalidDistributionError(
+            f"p_target must be a [vocab] vector of finite probabilities >= 0 summing to 1, got "
+            f"shape {p_target.shape}, sum {float(np.nansum(p_target))!r}"
+        )
+    if not 0 <= token < p_target.shape[0]:
+        raise DrafterError(f"token {token} is outside the vocabulary 0..{p_target.shape[0] - 1}")
+    return _accept_or_resample(p_target, draft, token, rng)
+
+
+def _accept_or_resample(
+    p_target: np.ndarray, draft: DraftDist, token: int, rng: np.random.Generator
+) -> tuple[int, bool]:
+    """The rule, for inputs already known to be valid (p_target from `warp`)."""
     q = draft.prob(token)
     if q <= 0:
         raise DrafterError(f"token {token} has draft probability 0: it cannot have been drafted")
@@ -329,7 +347,7 @@ def verify_block(
     out = []
     for i in range(k):
         p_target = warp(logits[i], temperature=temperature, top_k=top_k, top_p=top_p)
-        tok, ok = accept_or_resample(p_target, block.dists[i], block.tokens[i], rng)
+        tok, ok = _accept_or_resample(p_target, block.dists[i], block.tokens[i], rng)
         out.append(tok)
         if not ok:
             return BlockOutcome(out, i, True)

@@ -208,7 +208,7 @@ def test_bad_sampling_options_for_a_draft_model(decoder, kwargs, match):
     (["--top-k", "0"], r"top_k must be None or an integer >= 1, got 0"),
     (["--top-p", "0"], r"top_p must be None or in \(0, 1\], got 0\.0"),
     (["--top-p", "1.01"], r"top_p must be None or in \(0, 1\], got 1\.01"),
-    (["--max-draft-len", "-2"], r"max_draft_len must be None or an integer >= 0, got -2"),
+    (["--max-draft-len", "-2"], r"max_draft_len must be (None or )?an integer >= 0, got -2"),
     (["--ngram-size", "0"], r"ngram_size must be an integer >= 1, got 0"),
     (["--seed", "-1"], r"--seed must be an integer >= 0, got -1"),
     (["--threads", "-1"], r"--threads must be an integer >= 0"),
@@ -360,16 +360,12 @@ def test_accept_or_resample_refuses_a_token_that_cannot_have_been_drafted():
         accept_or_resample(np.full(4, 0.25), DraftDist.point(1), 2, rng)
 
 
-@pytest.mark.xfail(reason=GAP, raises=(IndexError, AssertionError), strict=False)
 def test_accept_or_resample_refuses_a_token_outside_p_target():
-    """Now: a raw IndexError from p_target[token]."""
     with pytest.raises(DrafterError, match="outside"):
         accept_or_resample(np.full(4, 0.25), DraftDist.point(9), 9, np.random.default_rng(0))
 
 
-@pytest.mark.xfail(reason=GAP, strict=False)
 def test_accept_or_resample_refuses_a_p_target_that_is_not_a_distribution():
-    """Now: NaN gives a raw IndexError; a vector summing to 3.5 is used as it is."""
     rng = np.random.default_rng(0)
     for p in (np.array([np.nan, 0.5]), np.array([3.0, 0.5]), np.array([-0.5, 1.5])):
         with pytest.raises(InvalidDistributionError):
@@ -387,35 +383,26 @@ def test_warp_and_verify_block_refuse_non_finite_logits(bad):
                          np.random.default_rng(0), temperature=t)
 
 
-@pytest.mark.xfail(reason=GAP, strict=False)
 @pytest.mark.parametrize("kwargs", [dict(temperature=-1.0), dict(temperature=math.nan),
                                     dict(temperature=1.0, top_k=0), dict(temperature=1.0, top_p=0.0),
                                     dict(temperature=1.0, top_p=2.0)])
 def test_warp_refuses_bad_sampling_options(kwargs):
-    """Now: warp(temperature=-1) silently returns the reversed distribution, NaN returns NaN
-    probabilities, top_k=0 raises numpy's ValueError, top_p=0 or 2 are used as given."""
     with pytest.raises(InvalidOptionError):
         warp(np.array([1.0, 2.0, 3.0]), **kwargs)
 
 
-# -- seeds and stop tokens (gaps) ----------------------------------------------------------------
+# -- seeds and stop tokens ----------------------------------------------------------------
 
 
-@pytest.mark.xfail(reason=GAP, strict=False)
 @pytest.mark.parametrize("kwargs", [dict(seed=-1), dict(seed="x"), dict(seed=1.5),
                                     dict(stop_token_ids=("a",)), dict(stop_token_ids=2),
                                     dict(stop_token_ids=(-1,))])
 def test_bad_seeds_and_stop_tokens_are_refused_at_construction(kwargs):
-    """Now: a negative or non-integer seed passes SpeculativeOptions and fails later inside
-    numpy (ValueError/TypeError, not OrtspecError); stop_token_ids=("a",) or 2 raise raw
-    ValueError/TypeError; a negative stop id is accepted silently."""
     with pytest.raises(InvalidOptionError):
         SpeculativeOptions(4, temperature=1.0, **kwargs)
 
 
-@pytest.mark.xfail(reason=GAP, strict=False)
 def test_numpy_floats_are_accepted_as_temperature_and_top_p():
-    """Now: np.float32(0.7) is refused ("must be a number") while np.int64 top_k is accepted."""
     o = SpeculativeOptions(4, temperature=np.float32(0.7), top_p=np.float32(0.9))
     assert o.temperature == pytest.approx(0.7)
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from ..errors import InvalidOptionError
+from ..history import TokenHistory
 from ..protocols import Decoder
 from ..sampling import DraftBlock, DraftDist, check_sampling_options, sample_from, warp
 
@@ -60,6 +61,8 @@ class DraftModelDrafter:
         self._rng = np.random.default_rng(seed)
         self._fed: list[int] = []  # exactly the tokens in the draft decoder's cache
         self._confirmed = 0  # history length at the previous call
+        self._source: Sequence[int] | None = None  # the history object seen then
+        self._source_edits = -1
         self.steps = 0  # draft forward calls
         self.seconds = 0.0  # time in the draft model
 
@@ -83,11 +86,11 @@ class DraftModelDrafter:
         n = min(len(fed), len(history) - 1)  # the last history token is always fed again
         if self.decoder.length != len(fed):  # the cache was touched elsewhere: start over
             n = 0
-        # the prefix up to the previous call's history is normally unchanged: check its last
-        # token and compare from there (O(new tokens)); if it changed, compare from the start
-        common = min(self._confirmed, n)
-        if common and fed[common - 1] != history[common - 1]:
-            common = 0
+        # an unedited TokenHistory (what the decode loops pass) keeps the previous call's prefix:
+        # compare from there, O(new tokens); any other history is compared from the start
+        unedited = (history is self._source and isinstance(history, TokenHistory)
+                    and history.edits == self._source_edits)
+        common = min(self._confirmed, n) if unedited else 0
         while common < n and fed[common] == history[common]:
             common += 1
         if common:
@@ -100,6 +103,7 @@ class DraftModelDrafter:
         self.steps += 1
         fed.extend(new)
         self._confirmed = len(history)
+        self._source, self._source_edits = history, getattr(history, "edits", -1)
         return logits
 
     def propose(self, history: Sequence[int], max_tokens: int) -> DraftBlock:

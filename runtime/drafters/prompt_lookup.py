@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Literal, Sequence
 
 from ..errors import InvalidOptionError
+from ..history import TokenHistory
 from ..sampling import DraftBlock
 
 Prefer = Literal["recent", "first"]
@@ -91,6 +92,7 @@ class PromptLookupSpeculator:
         self.prefer: Prefer = prefer
         self._index = NgramIndex(min_ngram_size, ngram_size, prefer)
         self._source: Sequence[int] | None = None  # the history object last seen
+        self._source_edits = -1  # its edit count then, if it is a TokenHistory
 
     def begin(self, options: object) -> None:
         """A new request: forget the previous history."""
@@ -99,20 +101,26 @@ class PromptLookupSpeculator:
     def reset(self) -> None:
         self._index = NgramIndex(self.min_ngram_size, self.ngram_size, self.prefer)
         self._source = None
+        self._source_edits = -1
 
     def _sync(self, history: Sequence[int]) -> None:
-        """Bring the index up to `history`: append what is new, rebuild if it diverged."""
+        """Bring the index up to `history`: append what is new, rebuild if it diverged.
+
+        O(new tokens) when `history` is the `TokenHistory` seen last time with no edit since
+        (what the decode loops pass); otherwise the old prefix is compared in full."""
         idx = self._index
         n_old = len(idx.tokens)
-        same = (
-            len(history) >= n_old
-            and (n_old == 0 or history[n_old - 1] == idx.tokens[-1])
-            and (history is self._source or list(history[:n_old]) == idx.tokens)
+        unedited = (
+            history is self._source
+            and isinstance(history, TokenHistory)
+            and history.edits == self._source_edits
         )
+        same = len(history) >= n_old and (unedited or list(history[:n_old]) == idx.tokens)
         if not same:
             self.reset()
             idx, n_old = self._index, 0
         self._source = history
+        self._source_edits = getattr(history, "edits", -1)
         if len(history) > n_old:
             idx.extend(history[n_old:])
 

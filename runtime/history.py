@@ -1,0 +1,61 @@
+"""`TokenHistory`: the list of tokens a decode loop hands its drafter, with an edit counter.
+
+Drafters keep indexes over the history (prompt lookup's n-gram index, a draft model's KV cache)
+and bring them up to date with the tokens appended since their last call. To do that in O(new
+tokens) they must know that nothing before was changed. A plain list cannot tell them; this
+one counts every change that is not an append, so "same object, same edit count" proves the
+old prefix is intact.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class TokenHistory(list):
+    """A list of token ids; `edits` increases on any change other than append/extend."""
+
+    __slots__ = ("edits",)
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.edits = 0
+
+    def _edited(self) -> None:
+        self.edits += 1
+
+    def __setitem__(self, *a: Any) -> None:
+        self._edited()
+        super().__setitem__(*a)
+
+    def __delitem__(self, *a: Any) -> None:
+        self._edited()
+        super().__delitem__(*a)
+
+    def __imul__(self, *a: Any) -> "TokenHistory":
+        self._edited()
+        return super().__imul__(*a)
+
+    def pop(self, *a: Any) -> Any:
+        self._edited()
+        return super().pop(*a)
+
+    def insert(self, *a: Any) -> None:
+        self._edited()
+        super().insert(*a)
+
+    def remove(self, *a: Any) -> None:
+        self._edited()
+        super().remove(*a)
+
+    def clear(self) -> None:
+        self._edited()
+        super().clear()
+
+    def sort(self, *a: Any, **k: Any) -> None:
+        self._edited()
+        super().sort(*a, **k)
+
+    def reverse(self) -> None:
+        self._edited()
+        super().reverse()
