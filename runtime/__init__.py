@@ -22,12 +22,15 @@ from .errors import (
     OrtspecError,
     ProviderError,
 )
+from .model import Model, load_model
+from .ort_decoder import OrtDecoder
 from .protocols import Decoder, Drafter
+from .providers import resolve_providers
 from .reference_decoder import ReferenceConfig, ReferenceDecoder
 from .sampling import DraftBlock, DraftDist, accept_or_resample, sample_from, verify_block, warp
 
 __all__ = [
-    "CapacityError", "DecodeCounters", "Decoder", "DraftBlock", "DraftDist", "DraftModelDrafter", "Drafter",
+    "CapacityError", "DecodeCounters", "Model", "OrtDecoder", "load_model", "resolve_providers", "Decoder", "DraftBlock", "DraftDist", "DraftModelDrafter", "Drafter",
     "DrafterError", "ExportError", "InvalidDistributionError", "InvalidOptionError",
     "InvalidPromptError", "ManifestError", "NonFiniteLogitsError", "OrtspecError",
     "PromptLookupSpeculator", "ProviderError", "ReferenceConfig", "ReferenceDecoder",

@@ -170,10 +170,14 @@ def _prefill(decoder: Decoder, prompt: list[int], counters: DecodeCounters) -> i
     """Reset, feed all but the last prompt token, return the pending token."""
     t0 = time.perf_counter()
     decoder.reset()
-    # in chunks, so a long prompt never materialises [n, vocab] logits it does not need
-    chunk = getattr(decoder, "max_verify_len", None) or 64
-    for lo in range(0, len(prompt) - 1, chunk):
-        decoder.forward_batch(prompt[lo : min(lo + chunk, len(prompt) - 1)])
+    if len(prompt) > 1:
+        prefill = getattr(decoder, "prefill", None)  # optional: feed without returning all logits
+        if prefill is not None:
+            prefill(prompt[:-1])
+        else:  # in chunks, so a long prompt never materialises [n, vocab] logits
+            chunk = getattr(decoder, "max_verify_len", None) or 64
+            for lo in range(0, len(prompt) - 1, chunk):
+                decoder.forward_batch(prompt[lo : min(lo + chunk, len(prompt) - 1)])
     counters.prefill_tokens = len(prompt) - 1
     counters.prefill_seconds = time.perf_counter() - t0
     counters.model_seconds += counters.prefill_seconds

@@ -99,37 +99,49 @@ def machine_key(providers: Sequence[str]) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in key)
 
 
+def cache_dir() -> Path:
+    """$ORTSPEC_CACHE_DIR, else ~/.cache/ortspec: calibrations live here, not in the model
+    directory, which a re-export replaces whole."""
+    env = os.environ.get("ORTSPEC_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "ortspec"
+
+
+def _model_key(decoder, model_dir: str | os.PathLike) -> str:
+    manifest = getattr(decoder, "manifest", None)
+    if manifest is not None:
+        graph = manifest.entry_points["verify"].graph
+        digest = manifest.files.get(graph, "")
+        if digest:
+            return f"{Path(model_dir).resolve().name}-{digest[:16]}"
+    return Path(model_dir).resolve().name
+
+
 def calibrated_cost_curve(decoder, model_dir: str | os.PathLike, *, refresh: bool = False) -> CostCurve:
-    """The decoder's cost curve, cached in `model_dir/calibration/<provider>-<machine>.json`
-    (or ~/.cache/ortspec when the model directory is read-only); measured when missing."""
+    """The decoder's cost curve, cached per model graph, provider and machine under
+    `cache_dir()/calibration/`; measured (a few seconds) when missing or on `refresh`."""
     providers = list(getattr(decoder, "providers", []) or [])
-    name = machine_key(providers) + ".json"
     max_len = getattr(decoder, "max_verify_len", None) or 16
-    candidates = [Path(model_dir) / "calibration" / name,
-                  Path.home() / ".cache" / "ortspec" / Path(model_dir).resolve().name / name]
+    path = cache_dir() / "calibration" / f"{_model_key(decoder, model_dir)}-{machine_key(providers)}.json"
     if not refresh:
-        for path in candidates:
-            try:
-                data = json.loads(path.read_text(encoding="utf-8"))
-                secs = data["seconds"]
-                if data.get("version") == CALIBRATION_VERSION and len(secs) == max_len and all(
-                    isinstance(x, float) and x > 0 for x in secs
-                ):
-                    return CostCurve(tuple(secs))
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-    curve = CostCurve.measure(decoder, max_len=max_len)
-    payload = json.dumps({"version": CALIBRATION_VERSION, "providers": providers,
-                          "seconds": list(curve.seconds), "relative": curve.relative()}, indent=1)
-    for path in candidates:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(payload, encoding="utf-8")
-            tmp.replace(path)
-            break
-        except OSError:
-            continue
+            data = json.loads(path.read_text(encoding="utf-8"))
+            secs = data["seconds"]
+            if data.get("version") == CALIBRATION_VERSION and len(secs) == max_len and all(
+                isinstance(x, float) and x > 0 for x in secs
+            ):
+                return CostCurve(tuple(secs))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    curve = CostCurve.measure(decoder, max_len=max_len)
+    payload = json.dumps({"version": CALIBRATION_VERSION, "providers": providers, "model": str(model_dir),
+                          "seconds": list(curve.seconds), "relative": curve.relative()}, indent=1)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(payload, encoding="utf-8")
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache only costs a re-measurement next time
     return curve
 
 

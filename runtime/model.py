@@ -179,7 +179,10 @@ def load_model(
     root = Path(path)
     manifest = mf.read_manifest(root)
     tok_path = mf.safe_member(root, manifest.tokenizer, what="manifest.tokenizer")
-    tokenizer = Tokenizer.from_file(str(tok_path))
+    try:
+        tokenizer = Tokenizer.from_file(str(tok_path))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception on bad JSON
+        raise mf.ManifestError(f"{manifest.tokenizer!r} is not a tokenizers file: {e}") from None
     decoder = OrtDecoder(root, manifest=manifest, providers=providers, threads=threads)
     draft_decoder = None
     if draft:

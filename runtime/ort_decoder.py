@@ -33,6 +33,7 @@ from .errors import CapacityError, InvalidOptionError, InvalidPromptError, Manif
     NonFiniteLogitsError
 from .providers import default_kv_mode, kv_device, resolve_providers
 
+PREFILL_CHUNK = 128
 _KV_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 KV_MODES = ("shared", "ping-pong")  # one buffer set updated in place, or two that alternate
 
@@ -94,7 +95,13 @@ class OrtDecoder:
         del zeros
         self._current = 0  # the KV set that holds the cache (ping-pong flips it after each run)
 
-        longest = max(e.max_len for e in m.entry_points.values())
+        # a prompt is fed in chunks: longer ones than a verify block where the graph's sequence
+        # dimension is dynamic (not under TensorRT, whose profiles stop at max_verify_len);
+        # 128 tokens amortise the per-call cost for a 25 MB logits buffer
+        self.prefill_chunk: int = self.max_verify_len
+        if "TensorrtExecutionProvider" not in self.providers:
+            self.prefill_chunk = max(self.max_verify_len, min(PREFILL_CHUNK, m.capacity))
+        longest = max(self.prefill_chunk, *(e.max_len for e in m.entry_points.values()))
         self._ids = np.zeros(longest, np.int64)  # [longest] staging for input_ids
         self._mask = np.ones(m.capacity, np.int64)  # [capacity], sliced to [1, length + S]
         self._positions = np.arange(m.capacity, dtype=np.int64)  # for graphs with position_ids
@@ -126,7 +133,7 @@ class OrtDecoder:
     def forward_batch(self, tokens: Sequence[int]) -> np.ndarray:
         """Append `tokens`; next-token logits after each, [n, vocab] float32."""
         ids = self._check_tokens(tokens)
-        chunk = self.max_verify_len
+        chunk = self.prefill_chunk
         if len(ids) <= chunk:
             return self._run("verify", ids)
         out = np.empty((len(ids), self.vocab_size), np.float32)  # [n, vocab]
@@ -144,8 +151,8 @@ class OrtDecoder:
         ids = self._check_tokens(tokens)
         start = self._length
         try:
-            for lo in range(0, len(ids), self.max_verify_len):
-                last = self._run("verify", ids[lo:lo + self.max_verify_len])[-1]
+            for lo in range(0, len(ids), self.prefill_chunk):
+                last = self._run("verify", ids[lo:lo + self.prefill_chunk], copy=False)[-1].copy()
         except BaseException:
             self._length = start
             raise
@@ -179,7 +186,7 @@ class OrtDecoder:
                                 f"--capacity, or truncate/reset first)")
         return ids.astype(np.int64, copy=False)
 
-    def _run(self, entry: str, ids: np.ndarray) -> np.ndarray:
+    def _run(self, entry: str, ids: np.ndarray, *, copy: bool = True) -> np.ndarray:
         n = ids.size
         total = self._length + n
         session = self._sessions[entry]
@@ -201,7 +208,7 @@ class OrtDecoder:
                                        f"positions {self._length}..{total - 1}")
         self._length = total
         self._current = (self._current + 1) % len(self._kv_sets)  # ping-pong: present is current
-        return logits.copy()
+        return logits.copy() if copy else logits
 
     def _logits_value(self, n: int) -> ort.OrtValue:
         value = self._logit_values.get(n)

@@ -62,11 +62,12 @@ def test_poor_drafts_fall_back_to_plain_steps_and_the_output_is_unchanged():
     assert adaptive.counters.forward_token_calls > 0
 
 
-def test_calibration_is_measured_once_then_read_from_the_cache(tmp_path):
+def test_calibration_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ORTSPEC_CACHE_DIR", str(tmp_path / "cache"))
     decoder = ReferenceDecoder(ReferenceConfig(vocab_size=32, capacity=128), max_verify_len=6)
-    curve = calibrated_cost_curve(decoder, tmp_path)
+    curve = calibrated_cost_curve(decoder, tmp_path / "model")
     assert len(curve.seconds) == 6 and all(b >= a for a, b in zip(curve.seconds, curve.seconds[1:]))
-    files = list((tmp_path / "calibration").glob("*.json"))
+    files = list((tmp_path / "cache" / "calibration").glob("*.json"))
     assert len(files) == 1
     again = calibrated_cost_curve(decoder, tmp_path)
     assert again == curve  # read back, not re-measured

@@ -72,9 +72,15 @@ def test_rollback_gives_the_logits_of_a_fresh_decode_bitwise(decoder):
 
 
 def test_chunked_prefill_equals_its_blocks_and_token_by_token(decoder):
+    assert decoder.prefill_chunk == decoder.capacity  # CPU: prompts go in chunks of up to 128
+    wide = decoder.forward_batch(TOKENS)  # one call
+    assert decoder.ort_calls == 1
+    decoder.reset()
+    decoder.prefill_chunk = VERIFY
     whole = decoder.forward_batch(TOKENS)  # 14 tokens > VERIFY: run as 4 + 4 + 4 + 2
     assert whole.shape == (len(TOKENS), decoder.vocab_size)
-    assert decoder.ort_calls == 4
+    assert decoder.ort_calls == 1 + 4
+    assert np.abs(whole - wide).max() <= 1e-4
     decoder.reset()
     blocks = np.concatenate([decoder.forward_batch(TOKENS[i:i + VERIFY])
                              for i in range(0, len(TOKENS), VERIFY)])
