@@ -69,5 +69,5 @@ def test_calibration_is_measured_once_then_read_from_the_cache(tmp_path, monkeyp
     assert len(curve.seconds) == 6 and all(b >= a for a, b in zip(curve.seconds, curve.seconds[1:]))
     files = list((tmp_path / "cache" / "calibration").glob("*.json"))
     assert len(files) == 1
-    again = calibrated_cost_curve(decoder, tmp_path)
+    again = calibrated_cost_curve(decoder, tmp_path / "model")
     assert again == curve  # read back, not re-measured
