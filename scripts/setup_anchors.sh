@@ -168,9 +168,12 @@ build() {
   fi
   rm -rf "$out" "$out.part"
   local tmpcache="$CACHE/genai-builder-cache-$precision"
+  echo "  $PY -m onnxruntime_genai.models.builder -i $HF_DIR -o $out -p $precision -e cpu --extra_options hf_token=false"
+  # (the per-MatMul INFO lines of the int4 quantizer are dropped)
   "$PY" -m onnxruntime_genai.models.builder \
     -i "$HF_DIR" -o "$out.part" -p "$precision" -e cpu -c "$tmpcache" \
-    --extra_options hf_token=false
+    --extra_options hf_token=false 2>&1 | { grep -vE "matmul_nbits_quantizer \[INFO\]|^Reading layer" || true; }
+  test "${PIPESTATUS[0]}" -eq 0
   rm -rf "$tmpcache"
   mv "$out.part" "$out"
 }

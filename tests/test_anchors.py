@@ -80,8 +80,11 @@ def test_summarize_reports_medians_and_geometric_means():
     s = summarize(runs)
     assert s["per_prompt"]["a"]["speedup"] == pytest.approx(2.0)
     assert s["per_category"]["c1"]["speedup"] == pytest.approx(1.0)  # sqrt(2 * 0.5)
-    assert s["per_category"]["c2"] == {"speedup": pytest.approx(3.0), "prompts": 1}
+    assert s["per_category"]["c2"] == {"speedup": pytest.approx(3.0), "call_ratio": 1.0, "prompts": 1}
     assert s["ngram_identical_to_plain"] == "3/4"
+    runs[1] = _run("a", "c1", "ngram", 0.5)
+    assert summarize(runs, statistic="min")["per_prompt"]["a"]["speedup"] == pytest.approx(4.0)
+    assert summarize(runs)["per_prompt"]["a"]["speedup"] == pytest.approx(15.0 / 5.0)  # median of tokens/s
 
 
 def test_missing_anchor_venv_is_reported_not_fatal(tmp_path):

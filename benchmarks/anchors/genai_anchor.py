@@ -67,7 +67,7 @@ def prompt_ids(tokenizer, p) -> list[int]:
     return [int(t) for t in tokenizer.encode(text)]
 
 
-def generate(model, ids, *, mode, max_new_tokens, temperature, seed, ngram_size, max_draft_tokens):
+def generate(model, ids, *, mode, max_new_tokens, temperature, seed, ngram_size, max_draft_tokens, eos_ids=(2,)):
     """One request; returns (new token ids, wall s, prefill s, forward calls, stats)."""
     import onnxruntime_genai as og
 
@@ -88,6 +88,12 @@ def generate(model, ids, *, mode, max_new_tokens, temperature, seed, ngram_size,
         generator.generate_next_token()
     t2 = time.perf_counter()
     new = [int(t) for t in generator.get_sequence(0)[len(ids):]]
+    # onnxruntime-genai stops at end-of-sequence without appending it to the sequence; keep it in
+    # the output, as HF generate (and ortspec) do, so outputs compare across systems
+    if len(new) < max_new_tokens:
+        last = [int(t) for t in generator.get_next_tokens()]
+        if last and last[0] in eos_ids and (not new or new[-1] != last[0]):
+            new.append(last[0])
     stats = None
     forward_calls = len(new)  # plain: the prefill yields the first token, one step per later one
     if mode == "ngram":
@@ -186,6 +192,7 @@ def main(argv=None) -> int:
         max_draft_tokens=args.max_draft_tokens,
     )
     eos = set(int(t) for t in tokenizer.eos_token_ids)
+    gen_kw["eos_ids"] = eos
 
     encoded = [(p, prompt_ids(tokenizer, p)) for p in prompts]
     if not args.no_warmup and encoded:
