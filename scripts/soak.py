@@ -1,0 +1,296 @@
+"""Soak test: many requests on ONE loaded model, resident memory sampled after each.
+
+    python scripts/soak.py [--tokens 100000] [--model DIR] [--prompts 32] [--max-new-tokens 192]
+                           [--report docs/soak.md] [--json PATH] [--no-mem-pattern]
+
+The workload is a cycle that repeats exactly: `--prompts` Spec-Bench questions (all six
+categories in turn, through the chat template) crossed with every combination of decoding mode
+(speculative with prompt lookup and the cost-model draft length, or plain) and temperature
+(0, 0.7, 1.0). Request i takes prompt i mod P, mode i mod 2 and temperature (i div 2) mod 3,
+and the seed (seed + i mod period): after one period (lcm(P, 6) requests) the same requests
+come again with the same random draws. One drafter and one draft-length policy serve every
+speculative request, as in a server.
+
+Why a repeating cycle: onnxruntime keeps memory per input shape it has seen (an arena sized for
+the largest, and by default a memory plan per shape, ~4.5 KiB each, measured), and every
+decoding step has a new attention-mask length, so the first pass over a workload grows RSS
+without any leak. The first cycle is therefore the warm-up; in later cycles the shapes recur,
+and growth there is a leak.
+
+After each request: gc.collect(), then the resident set size from /proc/self/statm (the
+current RSS, not the peak). The report states RSS at start, after warm-up, at the end and at
+its maximum, the least-squares slope of RSS against tokens after warm-up in KiB per 1,000
+tokens, tokens, requests, finish reasons and throughput. Exit status 1 when the slope exceeds
+`--max-slope` (default 100 KiB per 1,000 tokens: 10 MB over 100,000 tokens); with fewer than
+`--min-judged-tokens` (20,000) tokens after warm-up the slope is reported without a verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import gc
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ortspec.bench.workload import default_questions_path, interleave_categories, load_questions
+from ortspec.runtime import PromptLookupSpeculator, SpeculativeOptions
+from ortspec.runtime.cli import default_model_path
+from ortspec.runtime.draft_length import AdaptiveDraftLength
+from ortspec.runtime.model import load_model
+
+MODES = ("speculative", "plain")
+TEMPERATURES = (0.0, 0.7, 1.0)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def rss_kib() -> float:
+    """Current resident set size in KiB (/proc/self/statm); the peak where /proc is missing."""
+    try:
+        with open("/proc/self/statm") as f:
+            resident_pages = int(f.read().split()[1])
+        return resident_pages * os.sysconf("SC_PAGE_SIZE") / 1024
+    except (OSError, ValueError, IndexError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / 1024 if sys.platform == "darwin" else float(peak)  # bytes on macOS
+
+
+def slope_kib_per_1k(tokens: list[int], rss: list[float]) -> float:
+    """Least-squares slope of RSS (KiB) against cumulative tokens, per 1,000 tokens."""
+    if len(tokens) < 2 or len(set(tokens)) < 2:
+        return 0.0
+    x = np.asarray(tokens, np.float64) / 1000.0
+    y = np.asarray(rss, np.float64)
+    return float(np.polyfit(x, y, 1)[0])
+
+
+@dataclasses.dataclass
+class Sample:
+    request: int
+    cycle: int
+    mode: str
+    temperature: float
+    prompt_tokens: int
+    new_tokens: int
+    finish_reason: str
+    seconds: float
+    tokens_total: int  # cumulative new tokens after this request
+    rss_kib: float
+
+
+def _load(args: argparse.Namespace):
+    path = args.model
+    if path is None:
+        path = default_model_path()
+        if not (path / "manifest.json").is_file():
+            from ortspec.export import ensure_default_model  # exports it (needs the export extra)
+
+            path = ensure_default_model(progress=False)
+    model = load_model(path, threads=args.threads)
+    if args.no_mem_pattern:
+        # the same model with onnxruntime's per-shape memory plans off, for comparison
+        import onnxruntime as ort
+
+        from ortspec.runtime.ort_decoder import OrtDecoder
+
+        so = ort.SessionOptions()
+        so.enable_mem_pattern = False
+        model.decoder = OrtDecoder(path, manifest=model.manifest, threads=args.threads,
+                                   session_options=so)
+        gc.collect()
+    return path, model
+
+
+def run(args: argparse.Namespace) -> dict:
+    path, model = _load(args)
+    cap = model.decoder.capacity
+    per_category = math.ceil(args.prompts / 6)
+    prompts = interleave_categories(load_questions(args.questions, split="all",
+                                                   per_category=per_category))[: args.prompts]
+    if not prompts:
+        raise SystemExit(f"no questions in {args.questions or default_questions_path()}")
+    room = cap - args.max_new_tokens
+    encoded = []
+    for q in prompts:
+        ids = model.encode(q.text, chat=True)
+        encoded.append(ids[-room:] if len(ids) > room else ids)  # keep room for the reply
+    period = math.lcm(len(prompts), len(MODES) * len(TEMPERATURES))
+    warmup = period * args.warmup_cycles
+    policy = AdaptiveDraftLength.for_model(model)
+    drafter = PromptLookupSpeculator(ngram_size=3, max_draft_len=8)
+    stops = model.manifest.stop_token_ids
+    gc.collect()
+    rss_start = rss_kib()
+    samples: list[Sample] = []
+    total = 0
+    counters: collections.Counter = collections.Counter()
+    t_start = time.perf_counter()
+    i = 0
+    while total < args.tokens:
+        ids = encoded[i % len(prompts)]
+        mode, temperature = MODES[i % 2], TEMPERATURES[(i // 2) % 3]
+        options = SpeculativeOptions(args.max_new_tokens, temperature=temperature,
+                                     seed=args.seed + i % period, stop_token_ids=stops)
+        speculative = mode == "speculative"
+        t0 = time.perf_counter()
+        r = model.generate(ids, drafter=drafter if speculative else None, options=options,
+                           draft_length=policy if speculative else None)
+        seconds = time.perf_counter() - t0
+        total += r.num_tokens
+        c = r.counters
+        counters["drafted"] += c.drafted
+        counters["accepted"] += c.accepted
+        counters["target_calls"] += c.target_calls
+        gc.collect()
+        samples.append(Sample(i, i // period, mode, temperature, len(ids), r.num_tokens,
+                              r.finish_reason, round(seconds, 3), total, round(rss_kib(), 1)))
+        if args.verbose or (i + 1) % 25 == 0:
+            s = samples[-1]
+            print(f"request {i + 1} (cycle {s.cycle}): {total}/{args.tokens} tokens, RSS "
+                  f"{s.rss_kib / 1024:.1f} MiB; {mode} t={temperature}: {r.num_tokens} tokens "
+                  f"({r.finish_reason})", flush=True)
+        i += 1
+    wall = time.perf_counter() - t_start
+    after = [s for s in samples if s.request >= warmup - 1]  # from the end of warm-up on
+    warm = samples[warmup - 1] if len(samples) >= warmup else None
+    slope = slope_kib_per_1k([s.tokens_total for s in after], [s.rss_kib for s in after])
+    judged_tokens = after[-1].tokens_total - after[0].tokens_total if after else 0
+    judged = judged_tokens >= args.min_judged_tokens
+    cycles = [s for s in samples if s.request % period == period - 1]  # each cycle's last
+    return {
+        "model": str(path),
+        "mem_pattern": not args.no_mem_pattern,
+        "providers": model.decoder.providers,
+        "capacity": cap,
+        "prompts": len(prompts),
+        "period_requests": period,
+        "warmup_requests": warmup,
+        "tokens_target": args.tokens,
+        "tokens": total,
+        "requests": len(samples),
+        "max_new_tokens": args.max_new_tokens,
+        "wall_seconds": round(wall, 1),
+        "tokens_per_second": round(total / wall, 2) if wall > 0 else 0.0,
+        "rss_start_kib": round(rss_start, 1),
+        "rss_after_warmup_kib": warm.rss_kib if warm else None,
+        "rss_end_kib": samples[-1].rss_kib,
+        "rss_max_kib": max(s.rss_kib for s in samples),
+        "rss_at_cycle_ends_kib": [s.rss_kib for s in cycles],
+        "slope_kib_per_1k_tokens": round(slope, 2),
+        "max_slope_kib_per_1k_tokens": args.max_slope,
+        "judged_tokens": judged_tokens,
+        "min_judged_tokens": args.min_judged_tokens,
+        "verdict": ("PASS" if abs(slope) <= args.max_slope else "FAIL") if judged
+        else "not judged",
+        "passed": not judged or abs(slope) <= args.max_slope,
+        "finish_reasons": dict(collections.Counter(s.finish_reason for s in samples)),
+        "requests_by_mode_temperature": {
+            f"{m} t={t}": sum(1 for s in samples if s.mode == m and s.temperature == t)
+            for m in MODES for t in TEMPERATURES},
+        "acceptance_rate": round(counters["accepted"] / counters["drafted"], 4)
+        if counters["drafted"] else 0.0,
+        "tokens_per_target_call": round(total / counters["target_calls"], 3)
+        if counters["target_calls"] else 0.0,
+        "policy_chosen_entries": len(getattr(policy, "chosen", ())),
+        "samples": [dataclasses.asdict(s) for s in samples],
+    }
+
+
+def _pairs(items) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in items)
+
+
+def markdown(r: dict, command: str) -> str:
+    def mib(k: float) -> str:
+        return f"{k / 1024:.1f} MiB"
+
+    verdict = r["verdict"]
+    if verdict == "not judged":
+        verdict += (f" ({r['judged_tokens']:,} tokens after warm-up; a verdict needs "
+                    f"{r['min_judged_tokens']:,})")
+    cycle_ends = ", ".join(mib(k) for k in r["rss_at_cycle_ends_kib"]) or "none completed"
+    after_warmup = (mib(r["rss_after_warmup_kib"]) if r["rss_after_warmup_kib"] is not None
+                    else f"warm-up not completed ({r['requests']} of {r['warmup_requests']} "
+                         f"requests)")
+    lines = [
+        "# Soak test",
+        "",
+        f"`{command}`",
+        "",
+        f"One loaded model ({r['model']}, {', '.join(r['providers'])}, capacity {r['capacity']}"
+        f"{'' if r['mem_pattern'] else ', memory-pattern cache off'}). A cycle of "
+        f"{r['period_requests']} requests ({r['prompts']} Spec-Bench prompts through the chat "
+        f"template x speculative with prompt lookup and the cost-model draft length, or plain x "
+        f"temperature 0 / 0.7 / 1.0; up to {r['max_new_tokens']} new tokens each) repeats with the "
+        f"same seeds; the first {r['warmup_requests']} requests are warm-up. Resident memory "
+        f"(/proc/self/statm) after each request.",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| tokens decoded | {r['tokens']:,} |",
+        f"| requests | {r['requests']:,} |",
+        f"| wall time | {r['wall_seconds']:,.0f} s ({r['tokens_per_second']:.1f} tokens/s) |",
+        f"| RSS at start (model loaded) | {mib(r['rss_start_kib'])} |",
+        f"| RSS after warm-up | {after_warmup} |",
+        f"| RSS at the end | {mib(r['rss_end_kib'])} |",
+        f"| RSS maximum | {mib(r['rss_max_kib'])} |",
+        f"| RSS at the end of each cycle | {cycle_ends} |",
+        f"| slope after warm-up (least squares) | {r['slope_kib_per_1k_tokens']:+.2f} KiB per "
+        f"1,000 tokens (bound {r['max_slope_kib_per_1k_tokens']:g}): {verdict} |",
+        f"| finish reasons | {_pairs(sorted(r['finish_reasons'].items()))} |",
+        f"| requests per mode and temperature | "
+        f"{_pairs(r['requests_by_mode_temperature'].items())} |",
+        f"| acceptance (speculative requests) | {r['acceptance_rate']:.1%}; "
+        f"{r['tokens_per_target_call']:.2f} tokens per target call over all requests |",
+        f"| entries in the draft-length policy's `chosen` list | {r['policy_chosen_entries']:,} |",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=100_000, help="new tokens to decode in all")
+    ap.add_argument("--model", default=None, help="model directory (default: the default model)")
+    ap.add_argument("--prompts", type=int, default=32, help="distinct prompts in the cycle")
+    ap.add_argument("--max-new-tokens", type=int, default=192, help="per request")
+    ap.add_argument("--warmup-cycles", type=int, default=1,
+                    help="cycles before the slope is fitted")
+    ap.add_argument("--max-slope", type=float, default=100.0,
+                    help="KiB per 1,000 tokens above which the run fails")
+    ap.add_argument("--min-judged-tokens", type=int, default=20_000,
+                    help="tokens after warm-up below which the slope is reported, not judged")
+    ap.add_argument("--questions", default=None,
+                    help=f"Spec-Bench question.jsonl (default {default_questions_path()})")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--report", default=str(REPO / "docs" / "soak.md"))
+    ap.add_argument("--json", default=None, help="also write every sample as JSON here")
+    ap.add_argument("--verbose", action="store_true", help="a line per request")
+    ap.add_argument("--no-mem-pattern", action="store_true",
+                    help="sessions with onnxruntime's per-shape memory plans disabled")
+    args = ap.parse_args(argv)
+    for name in ("tokens", "prompts", "max_new_tokens", "warmup_cycles"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    r = run(args)
+    command = "python scripts/soak.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    text = markdown(r, command.strip())
+    print(text)
+    Path(args.report).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.report).write_text(text, encoding="utf-8")
+    if args.json:
+        Path(args.json).write_text(json.dumps(r, indent=1) + "\n", encoding="utf-8")
+    return 0 if r["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
