@@ -188,7 +188,8 @@ def check_verify_vs_step(model) -> CheckRow:
         ids = ids + ids
     ids = ids[:n]
     dec.reset()
-    verify = dec.forward_batch(ids)  # [n, vocab]
+    k = dec.max_verify_len  # verify calls as speculative decoding makes them, each with a past
+    verify = np.concatenate([dec.forward_batch(ids[lo:lo + k]) for lo in range(0, n, k)])
     dec.reset()
     step = np.stack([dec.forward_token(t) for t in ids])  # [n, vocab]
     dec.reset()
