@@ -149,7 +149,11 @@ class SpeculativeDecodeResult:
 
 
 
-def _check_prompt(decoder: Decoder, prompt: Sequence[int]) -> list[int]:
+def _check_prompt(decoder: Decoder, prompt: Sequence[int], options: object) -> list[int]:
+    if not isinstance(options, SpeculativeOptions):
+        raise InvalidOptionError(f"options must be a SpeculativeOptions, got {type(options).__name__}")
+    if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
+        raise InvalidPromptError(f"the prompt must be a sequence of token ids, got {type(prompt).__name__}")
     prompt = list(prompt)
     if not prompt:
         raise InvalidPromptError("the prompt is empty; at least one token is needed")
@@ -219,7 +223,7 @@ def plain_decode_steps(
     """`plain_decode` as a generator of emitted tokens; returns the result."""
     t_start = time.perf_counter()
     ort_start = _ort_seconds(decoder)
-    prompt = _check_prompt(decoder, prompt)
+    prompt = _check_prompt(decoder, prompt, options)
     counters = DecodeCounters()
     rng = np.random.default_rng(options.seed)
     stops = frozenset(options.stop_token_ids)
@@ -289,12 +293,14 @@ def speculative_decode_steps(
     """
     t_start = time.perf_counter()
     ort_start = _ort_seconds(decoder)
-    prompt = _check_prompt(decoder, prompt)
+    prompt = _check_prompt(decoder, prompt, options)
     counters = DecodeCounters()
     rng = np.random.default_rng(options.seed)
     stops = frozenset(options.stop_token_ids)
     vocab = decoder.vocab_size
     verify_cap = getattr(decoder, "max_verify_len", None)
+    if not callable(getattr(drafter, "propose", None)):
+        raise DrafterError(f"a drafter needs a propose(history, max_tokens) method; got {type(drafter).__name__}")
     history = TokenHistory(prompt)  # the drafter sees this list; it only ever grows
     begin = getattr(drafter, "begin", None)  # optional hook: a new request starts
     if begin is not None:

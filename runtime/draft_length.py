@@ -16,6 +16,7 @@ length (a 3-gram match is accepted far more often than a 1-gram one), starting f
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -218,7 +219,7 @@ class AdaptiveDraftLength:
         self.curve = curve
         self.draft_step_seconds = draft_step_seconds
         self.acceptance = acceptance or AcceptanceModel()
-        self.chosen: list[int] = []  # the k picked at each verify, for reports
+        self.chosen: collections.deque[int] = collections.deque(maxlen=4096)  # recent k, for reports
 
     @classmethod
     def for_model(cls, model, *, refresh: bool = False) -> "AdaptiveDraftLength":

@@ -145,21 +145,25 @@ class TextStream:
         self.result: SpeculativeDecodeResult | None = None
 
     def __iter__(self) -> Iterator[str]:
+        # incremental detokenisation: decode only the tokens since the last piece (plus the one
+        # before, for tokenizers whose pieces depend on their left neighbour), not the whole text
         tokens: list[int] = []
-        shown = ""
+        prefix = read = 0  # tokens[prefix:read] is the text already shown, decoded on its own
+        shown = 0  # characters yielded
         for new in self._stream:
             tokens.extend(new)
-            text = self._model.decode(tokens)
-            if text.endswith("\ufffd"):  # a multi-byte character split across tokens
-                continue
-            if text.startswith(shown) and len(text) > len(shown):
-                yield text[len(shown):]
-                shown = text
+            before = self._model.decode(tokens[prefix:read])
+            after = self._model.decode(tokens[prefix:])
+            if len(after) > len(before) and not after.endswith("\ufffd"):  # not mid-character
+                piece = after[len(before):]
+                shown += len(piece)
+                yield piece
+                prefix, read = read, len(tokens)
         self.result = self._stream.result
         assert self.result is not None
         self.result.text = self._model.decode(self.result.tokens)
-        if self.result.text.startswith(shown) and len(self.result.text) > len(shown):
-            yield self.result.text[len(shown):]
+        if len(self.result.text) > shown:  # a character completed by the last token
+            yield self.result.text[shown:]
 
 
 def load_model(

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import CapacityError, InvalidPromptError
+from .errors import CapacityError, InvalidOptionError, InvalidPromptError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +70,7 @@ class ReferenceDecoder:
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self._length:
-            raise ValueError(f"truncate({length}): length must be in 0..{self._length}")
+            raise InvalidOptionError(f"truncate({length}): length must be in 0..{self._length}")
         self._length = length
 
     def forward_token(self, token: int) -> np.ndarray:  # [vocab]

@@ -92,6 +92,9 @@ def warp(
     likely tokens whose probability reaches top_p.
     """
     check_sampling_options(temperature, top_k, top_p)
+    logits = np.asarray(logits)
+    if logits.ndim != 1 or logits.size == 0:
+        raise InvalidOptionError(f"warp needs a non-empty [vocab] vector of logits, got shape {logits.shape}")
     check_logits(logits)
     vocab = logits.shape[-1]
     if temperature == 0:
@@ -167,6 +170,8 @@ class DraftDist:
     @classmethod
     def point(cls, token: int) -> "DraftDist":
         """The point mass a model-free drafter (prompt lookup) proposes."""
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
+            raise InvalidDistributionError(f"a token id must be an integer, got {token!r}")
         token = int(token)
         if token < 0:
             raise InvalidDistributionError(f"DraftDist token_ids must be >= 0, got {token}")
@@ -278,6 +283,10 @@ def accept_or_resample(
     Returns (emitted token, accepted?). A token with p_target = 0 is never accepted. If the
     residual has no mass left (rounding), the token is drawn from p_target instead.
     """
+    if not isinstance(draft, DraftDist):
+        raise DrafterError(f"draft must be a DraftDist, got {type(draft).__name__}")
+    if not isinstance(rng, np.random.Generator):
+        raise InvalidOptionError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
     p_target = np.asarray(p_target, dtype=np.float64)
     if p_target.ndim != 1 or not np.isfinite(p_target).all() or (p_target < 0).any() or abs(
         float(p_target.sum()) - 1.0

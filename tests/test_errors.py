@@ -8,7 +8,6 @@ DraftModelDrafter, load_model, Model.generate, Model.stream. The decode loops ru
 `ReferenceDecoder`; load_model and the CLI on a one-layer graph written in well under a second
 (`write_graph_dir`: capacity 32, vocabulary 320, no chat format).
 
-Tests marked `xfail` describe a gap found in the audit (the behaviour wanted, not yet there).
 """
 
 from __future__ import annotations
@@ -49,7 +48,6 @@ from ortspec.runtime.model import load_model
 
 CFG = ReferenceConfig(vocab_size=12, d_model=16, n_layers=1, n_heads=2, capacity=24, seed=3)
 PROMPT = [1, 2, 3, 1, 2]
-GAP = "gap found in the audit; see the fix in the report"
 
 
 @pytest.fixture()
@@ -505,9 +503,7 @@ def test_cli_model_errors(capsys, tmp_path, tiny_dir):
                                                "--prompt", "hi", "--drafter", "draft-model")
 
 
-@pytest.mark.xfail(reason=GAP, strict=False)
 def test_a_graph_onnxruntime_refuses_is_one_line_from_the_cli(capsys, tmp_path):
-    """Now: onnxruntime's InvalidGraph escapes `ortspec generate` as a traceback."""
     import hashlib
     import json
 
