@@ -239,9 +239,9 @@ def format_summary(name: str, summary: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_common_args(parser) -> None:
+def add_common_args(parser, prompts_required: bool = True) -> None:
     """CLI options every anchor script takes."""
-    parser.add_argument("--prompts", required=True, help="JSON-lines prompt file (see anchor_io)")
+    parser.add_argument("--prompts", required=prompts_required, help="JSON-lines prompt file (see anchor_io)")
     parser.add_argument("--out", default="-", help="JSON-lines output file ('-' = stdout)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="A B pairs per prompt (interleaved)")
