@@ -8,10 +8,11 @@
 #                                      Hugging Face directory (config, safetensors, tokenizer)
 #   models/cache/genai-smollm2-fp32/   onnxruntime-genai model builder, -p fp32 -e cpu
 #   models/cache/genai-smollm2-int4/   onnxruntime-genai model builder, -p int4 -e cpu
+#   models/cache/genai-smollm2-int4-acc1/   the same with accuracy_level=1 (fp32 compute)
 #
 # Idempotent: every step is skipped when its result is already there.
 #   scripts/setup_anchors.sh            set up what is missing
-#   scripts/setup_anchors.sh --force    rebuild the Hugging Face directory and both genai models
+#   scripts/setup_anchors.sh --force    rebuild the Hugging Face directory and the genai models
 #   PYTHON=python3.11 scripts/setup_anchors.sh    choose the interpreter for the venv
 #
 # Why a Hugging Face directory in between: the builder's own GGUF loader (-i file.gguf) takes
@@ -28,7 +29,7 @@ FORCE=0
 for arg in "$@"; do
   case "$arg" in
     --force) FORCE=1 ;;
-    -h|--help) sed -n 2,21p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,22p "$0"; exit 0 ;;
     *) echo "unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
@@ -160,25 +161,31 @@ fi
 
 # ---------------------------------------------------------------- 4. onnxruntime-genai models
 build() {
-  local precision="$1" out="$CACHE/genai-smollm2-$1"
-  say "onnxruntime-genai model builder: -p $precision -e cpu -> $out"
+  # build NAME PRECISION [EXTRA_OPTION ...]
+  local name="$1" precision="$2" out="$CACHE/genai-smollm2-$1"
+  shift 2
+  say "onnxruntime-genai model builder: -p $precision -e cpu $* -> $out"
   if [[ $FORCE == 0 && -f "$out/genai_config.json" && -f "$out/model.onnx" ]]; then
     echo "  already built"
     return
   fi
   rm -rf "$out" "$out.part"
-  local tmpcache="$CACHE/genai-builder-cache-$precision"
-  echo "  $PY -m onnxruntime_genai.models.builder -i $HF_DIR -o $out -p $precision -e cpu --extra_options hf_token=false"
+  local tmpcache="$CACHE/genai-builder-cache-$name"
+  echo "  $PY -m onnxruntime_genai.models.builder -i $HF_DIR -o $out -p $precision -e cpu --extra_options hf_token=false $*"
   # (the per-MatMul INFO lines of the int4 quantizer are dropped)
-  "$PY" -m onnxruntime_genai.models.builder \
+  TQDM_DISABLE=1 "$PY" -m onnxruntime_genai.models.builder \
     -i "$HF_DIR" -o "$out.part" -p "$precision" -e cpu -c "$tmpcache" \
-    --extra_options hf_token=false 2>&1 | { grep -vE "matmul_nbits_quantizer \[INFO\]|^Reading layer" || true; }
+    --extra_options hf_token=false "$@" 2>&1 | { grep -vE "matmul_nbits_quantizer \[INFO\]|^Reading layer" || true; }
   test "${PIPESTATUS[0]}" -eq 0
   rm -rf "$tmpcache"
   mv "$out.part" "$out"
 }
-build fp32
-build int4
+build fp32 fp32
+build int4 int4
+# int4 with fp32 compute in MatMulNBits: the default accuracy_level 4 quantises activations to
+# int8, which makes a multi-token verify pass disagree with single-token steps (genai's n-gram
+# output then differs from its plain greedy output); accuracy_level 1 keeps them identical.
+build int4-acc1 int4 accuracy_level=1
 
 # ---------------------------------------------------------------- 5. what was built
 say "built"
@@ -186,7 +193,7 @@ say "built"
 import collections, json, os, sys
 import onnx
 cache = sys.argv[1]
-for precision in ("fp32", "int4"):
+for precision in ("fp32", "int4", "int4-acc1"):
     d = os.path.join(cache, f"genai-smollm2-{precision}")
     size = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
     m = onnx.load(os.path.join(d, "model.onnx"), load_external_data=False)
@@ -196,5 +203,10 @@ for precision in ("fp32", "int4"):
     print(f"  {d}  ({size / 1e6:.0f} MB)")
     print(f"    ops: {dict(sorted(ops.items()))}")
     print(f"    session_options: {json.dumps(so)}")
+    for n in m.graph.node:
+        if n.name.startswith("/lm_head/") and n.op_type.startswith("MatMul"):
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+            print(f"    lm_head: {n.op_type} {attrs if attrs else ''}")
+            break
 print(f"\nrun the anchors with: {os.path.join(os.path.dirname(os.path.dirname(cache)), '.venv-anchors/bin/python')} benchmarks/anchors/genai_anchor.py --help")
 EOF

@@ -72,6 +72,7 @@ def default_paths(root: Path | str = REPO_ROOT) -> dict[str, Path]:
         "anchors_python": root / ".venv-anchors" / "bin" / "python",
         "genai_fp32": cache / "genai-smollm2-fp32",
         "genai_int4": cache / "genai-smollm2-int4",
+        "genai_int4-acc1": cache / "genai-smollm2-int4-acc1",
         "gguf": cache / "SmolLM2-135M-Instruct.Q4_1.gguf",
     }
 
@@ -181,10 +182,14 @@ def run_genai_anchor(
 ) -> list[dict[str, Any]] | AnchorUnavailable:
     """onnxruntime-genai: plain vs n-gram speculative decoding, interleaved per prompt.
 
-    `precision` picks models/cache/genai-smollm2-{fp32,int4} unless `model_dir` is given.
+    `precision` picks models/cache/genai-smollm2-{fp32,int4,int4-acc1} unless `model_dir` is
+    given (int4: MatMulNBits with int8 activations, accuracy_level 4, the builder's default;
+    int4-acc1: fp32 compute, under which the n-gram output stays identical to plain).
     """
     paths = default_paths()
     python = Path(python) if python else paths["anchors_python"]
+    if model_dir is None and f"genai_{precision}" not in paths:
+        return AnchorUnavailable("onnxruntime-genai", f"unknown precision {precision!r}")
     model_dir = Path(model_dir) if model_dir else paths[f"genai_{precision}"]
     problem = _genai_ready(python, model_dir)
     if problem is not None:
@@ -219,6 +224,8 @@ def genai_step_latency(
     """onnxruntime-genai's median single-token step latency (ms) at ~`context` cached tokens."""
     paths = default_paths()
     python = Path(python) if python else paths["anchors_python"]
+    if model_dir is None and f"genai_{precision}" not in paths:
+        return AnchorUnavailable("onnxruntime-genai", f"unknown precision {precision!r}")
     model_dir = Path(model_dir) if model_dir else paths[f"genai_{precision}"]
     problem = _genai_ready(python, model_dir)
     if problem is not None:

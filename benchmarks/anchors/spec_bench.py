@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--systems", default="genai,hf", help="comma-separated subset of genai,genai-int4,hf")
+    ap.add_argument("--systems", default="genai,hf", help="comma-separated subset of genai,genai-int4,genai-int4-acc1,hf")
     ap.add_argument("--step-latency", type=int, default=None, metavar="CONTEXT",
                     help="also measure onnxruntime-genai's step latency at this context")
     ap.add_argument("--outdir", default=str(REPO_ROOT / "benchmarks" / "tmp"))
@@ -54,6 +54,7 @@ def main(argv=None) -> int:
     runners = {
         "genai": lambda: run_genai_anchor(prompts, precision="fp32", **common),
         "genai-int4": lambda: run_genai_anchor(prompts, precision="int4", **common),
+        "genai-int4-acc1": lambda: run_genai_anchor(prompts, precision="int4-acc1", **common),
         "hf": lambda: run_hf_anchor(prompts, **common),
     }
     for name in args.systems.split(","):
