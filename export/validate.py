@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,7 +29,8 @@ from ortspec.runtime import manifest as mf
 from ortspec.runtime.errors import ExportError
 from ortspec.runtime.ort_decoder import OrtDecoder
 
-from .checkpoint import Checkpoint
+if TYPE_CHECKING:  # torch is imported only when an export really runs
+    from .checkpoint import Checkpoint
 
 VALIDATION_TEXT = ("The quick brown fox jumps over the lazy dog. Speculative decoding drafts "
                    "several tokens and verifies them in one forward pass.")
@@ -82,11 +84,27 @@ def validation_prompt(checkpoint: Checkpoint, *, capacity: int, max_verify_len: 
     return arr
 
 
-def validate_export(model_dir: Path, manifest: mf.Manifest, checkpoint: Checkpoint) -> \
-        ValidationReport:
-    """Raise ExportError when the graph's logits are outside the dtype's tolerances."""
+def validate_export(model_dir: Path, manifest: mf.Manifest, checkpoint: Checkpoint, *,
+                    reference: np.ndarray | None = None, tolerances: Tolerances | None = None) \
+        -> ValidationReport:
+    """Raise ExportError when the graph's logits are outside the dtype's tolerances.
+
+    reference: [n, vocab] logits on `validation_prompt` to compare with instead of the
+    checkpoint's own (a draft's: truncated, or with dequantized weights); tolerances: instead
+    of the dtype's."""
     ids = validation_prompt(checkpoint, capacity=manifest.capacity,
                             max_verify_len=manifest.max_verify_len)
+    verify, step = run_graph(model_dir, manifest, ids)
+    if reference is None:
+        reference = checkpoint.torch_logits(ids)  # [n, vocab]
+    return check_logits(verify, step, reference, tolerances or TOLERANCES[manifest.dtype],
+                        manifest.dtype)
+
+
+def run_graph(model_dir: Path, manifest: mf.Manifest, ids: np.ndarray) -> \
+        tuple[np.ndarray, np.ndarray]:
+    """The graph's logits on ids [n] through the verify entry point (in blocks) and through the
+    step entry point token by token: ([n, vocab], [n, vocab])."""
     try:
         decoder = OrtDecoder(model_dir, manifest=manifest, providers=["CPUExecutionProvider"])
         verify = decoder.forward_batch(ids)  # [n, vocab]
@@ -96,11 +114,16 @@ def validate_export(model_dir: Path, manifest: mf.Manifest, checkpoint: Checkpoi
         raise
     except Exception as e:  # noqa: BLE001 - any failure to run the graph fails the export
         raise ExportError(f"the exported graph does not run: {type(e).__name__}: {e}") from e
-    reference = checkpoint.torch_logits(ids)  # [n, vocab]
-    tol = TOLERANCES[manifest.dtype]
+    return verify, step
+
+
+def check_logits(verify: np.ndarray, step: np.ndarray, reference: np.ndarray, tol: Tolerances,
+                 what: str) -> ValidationReport:
+    """Compare the entry points with each other and with the reference; ExportError outside
+    the bounds (`what` names the comparison in the message)."""
     scale = float(np.abs(reference).max())
     report = ValidationReport(
-        prompt_tokens=int(ids.size),
+        prompt_tokens=int(verify.shape[0]),
         step_vs_verify=float(np.abs(verify - step).max()),
         verify_vs_pytorch=float(np.abs(verify - reference).max()),
         step_vs_pytorch=float(np.abs(step - reference).max()),
@@ -114,5 +137,5 @@ def validate_export(model_dir: Path, manifest: mf.Manifest, checkpoint: Checkpoi
     worst = max(report.verify_vs_pytorch, report.step_vs_pytorch)
     if not worst <= report.bound_vs_pytorch:
         raise ExportError(f"validation failed: logits differ from PyTorch by {worst:.3g} > "
-                          f"{report.bound_vs_pytorch:.3g} ({manifest.dtype})")
+                          f"{report.bound_vs_pytorch:.3g} ({what})")
     return report

@@ -1,0 +1,161 @@
+"""Block-wise weight quantization for onnxruntime's `com.microsoft::MatMulNBits` (NumPy only).
+
+MatMulNBits (onnxruntime 1.32 contrib schema) multiplies A [..., K] by a weight stored as
+blocks of `block_size` consecutive input features per output feature:
+
+    B            uint8 [N, n_blocks, block_size * bits / 8]   q, low nibble first (4 bits)
+    scales       A's type [N * n_blocks]
+    zero_points  uint8 [N * ceil(n_blocks * bits / 8)]        optional, packed like B;
+                                                              default 2 ** (bits - 1)
+    w[n, k] = (q[n, k] - zero_point[n, k // block_size]) * scale[n, k // block_size]
+
+Three schemes, all `quantize_blockwise(w, ...)`:
+
+- "block-min" (the default for 4 bits): per block, scale = (max - min) / (2**bits - 1) and
+  q = round((w - min) / scale), so w = q * scale + min: llama.cpp's Q4_1 (w = d * q + m).
+  MatMulNBits takes an integer zero point zp = round(-min / scale) (centring (q - zp) * scale
+  on the block, which matters when the kernel rounds activations to int8), and the rest,
+  offset = min + zp * scale, is added back by a second, small product in the graph:
+  y += blocksum(x) @ offsets.T, blocksum(x) [.., n_blocks] the sums of x over each block.
+  The weights of a Q4_1 GGUF, which transformers dequantises to exactly d * q + m, come back
+  as the file's own q, d and m (llama.cpp's quantizer maps each block's min to q = 0 and its
+  max to 15, so min/max recover d and m up to float32 rounding): the draft then multiplies
+  by the target's very weights. The extra product is [n_blocks, N] floats, 1/K of the
+  weight's elements, but it is three more graph nodes per product.
+- "zero-point": the range widened to include 0 and an integer zero point round(-min / scale),
+  onnxruntime's own quantizer's choice: no extra product, but the grid is shifted by up to
+  half a step against the block's values, which for Q4_1 weights re-rounds every element
+  (|error| <= scale / 2, scale itself larger when the block does not straddle 0).
+- "symmetric": no zero point input (the default 2 ** (bits - 1)) and
+  scale = max |w| / (2 ** (bits - 1) - 1). At 8 bits this is llama.cpp's Q8_0 (w = d * q,
+  q in -127..127) exactly.
+
+Why not MatMulNBits' float zero points (the schema allows zero_points of A's type, which
+would express Q4_1's non-integer -m/d directly): onnxruntime 1.32's CPU kernel then leaves its
+packed fast path; a 576 x 1536 product took 1.0 ms instead of 0.07 ms (measured here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+SCHEMES = ("block-min", "zero-point", "symmetric")
+BITS = (4, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockQuantized:
+    """A weight [N, K] in MatMulNBits' layout; `dequantize()` gives back what the op computes
+    with (times the block-min correction for "block-min")."""
+
+    packed: np.ndarray  # uint8 [N, n_blocks, block_size * bits // 8]
+    scales: np.ndarray  # float32 [N, n_blocks]
+    zero_points: np.ndarray | None  # uint8 [N, ceil(n_blocks * bits / 8)], packed; None: default
+    mins: np.ndarray | None  # float32 [N, n_blocks], the per-block offset ("block-min" only)
+    bits: int
+    block_size: int
+    scheme: str
+
+    @property
+    def shape(self) -> tuple[int, int]:  # (N, K)
+        n, blocks, _ = self.packed.shape
+        return n, blocks * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.packed, self.scales, self.zero_points, self.mins)
+                   if a is not None)
+
+    def levels(self) -> np.ndarray:
+        """q: uint8 [N, n_blocks, block_size], unpacked."""
+        if self.bits == 8:
+            return self.packed
+        q = np.empty(self.packed.shape[:2] + (self.block_size,), np.uint8)
+        q[..., 0::2] = self.packed & 0x0F
+        q[..., 1::2] = self.packed >> 4
+        return q
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [N, K]: the weight the graph multiplies by."""
+        q = self.levels().astype(np.float32)
+        n, blocks, _ = q.shape
+        if self.zero_points is None:
+            zp = np.float32(2 ** (self.bits - 1) if self.scheme == "symmetric" else 0)
+        else:
+            zp = _unpack(self.zero_points, self.bits, blocks).astype(np.float32)[..., None]
+        w = (q - zp) * self.scales[..., None]
+        if self.mins is not None:
+            w = w + self.mins[..., None]
+        return w.reshape(n, blocks * self.block_size).astype(np.float32)
+
+
+def quantize_blockwise(w: np.ndarray, *, bits: int = 4, block_size: int = 32,
+                       scheme: str = "block-min") -> BlockQuantized:
+    """w: [N, K] float, K a multiple of block_size (the graph builder leaves other matrices in
+    float). Raises ValueError for a bad option."""
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 16, got {block_size!r}")
+    w = np.asarray(w, np.float32)
+    if w.ndim != 2 or w.shape[1] % block_size:
+        raise ValueError(f"expected a [N, K] weight with K a multiple of {block_size}, got "
+                         f"shape {w.shape}")
+    n, k = w.shape
+    blocks = w.reshape(n, k // block_size, block_size)  # [N, n_blocks, block_size]
+    top = 2 ** bits - 1
+    zero_points = mins = None
+    if scheme == "symmetric":
+        half = 2 ** (bits - 1)
+        scales = np.abs(blocks).max(-1) / (half - 1)  # [N, n_blocks]
+        q = np.round(blocks / _nonzero(scales)[..., None]) + half
+    else:
+        lo, hi = blocks.min(-1), blocks.max(-1)  # [N, n_blocks]
+        scales = (hi - lo) / top
+        if scheme == "block-min":
+            # q spans [lo, hi] exactly; the integer zero point nearest -lo / scale centres
+            # (q - zp) * scale on the block, and the offset adds back what it misses
+            q = np.round((blocks - lo[..., None]) / _nonzero(scales)[..., None])
+            zp = np.clip(np.round(-lo / _nonzero(scales)), 0, top)
+            mins = lo + zp * scales  # |offset| <= scale / 2 unless zp clipped
+            zero_points = _pack(zp.astype(np.uint8), bits)
+        else:
+            # the range includes 0, so the zero point is a level and nothing clips
+            lo, hi = np.minimum(lo, 0), np.maximum(hi, 0)
+            scales = (hi - lo) / top
+            zp = np.round(-lo / _nonzero(scales))
+            q = np.round(blocks / scales[..., None]) + zp[..., None]
+            zero_points = _pack(zp.astype(np.uint8), bits)  # [N, ceil(n_blocks * bits / 8)]
+    q = np.clip(q, 0, top).astype(np.uint8)
+    return BlockQuantized(packed=_pack(q, bits), scales=scales.astype(np.float32),
+                          zero_points=zero_points,
+                          mins=None if mins is None else mins.astype(np.float32),
+                          bits=bits, block_size=block_size, scheme=scheme)
+
+
+def _nonzero(scales: np.ndarray) -> np.ndarray:
+    """Scales with zeros replaced by 1 for dividing (a constant block quantizes to q = 0 and
+    keeps scale 0, so it dequantizes to its min, or 0, exactly)."""
+    return np.where(scales > 0, scales, 1.0).astype(np.float32)
+
+
+def _pack(q: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 levels [..., m] -> [..., ceil(m * bits / 8)], first value in the low bits."""
+    if bits == 8:
+        return np.ascontiguousarray(q, np.uint8)
+    if q.shape[-1] % 2:
+        q = np.concatenate([q, np.zeros(q.shape[:-1] + (1,), np.uint8)], axis=-1)
+    return np.ascontiguousarray(q[..., 0::2] | (q[..., 1::2] << 4), np.uint8)
+
+
+def _unpack(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
+    if bits == 8:
+        return packed[..., :count]
+    out = np.empty(packed.shape[:-1] + (2 * packed.shape[-1],), np.uint8)
+    out[..., 0::2] = packed & 0x0F
+    out[..., 1::2] = packed >> 4
+    return out[..., :count]
