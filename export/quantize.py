@@ -19,8 +19,11 @@ Three schemes, all `quantize_blockwise(w, ...)`:
   y += blocksum(x) @ offsets.T, blocksum(x) [.., n_blocks] the sums of x over each block.
   The weights of a Q4_1 GGUF, which transformers dequantises to exactly d * q + m, come back
   as the file's own q, d and m (llama.cpp's quantizer maps each block's min to q = 0 and its
-  max to 15, so min/max recover d and m up to float32 rounding): the draft then multiplies
-  by the target's very weights. The extra product is [n_blocks, N] floats, 1/K of the
+  max to 15, so min/max recover d and m): the draft then multiplies by the target's very
+  weights. Measured on SmolLM2-135M's Q4_1 file: all 3,317,760 blocks of the 210 linear
+  weights dequantize bit for bit to the target's float32 weights (and its Q8_0 embedding
+  through "symmetric" at 8 bits likewise), where "zero-point" misses by a quarter step on
+  average. The extra product is [n_blocks, N] floats, 1/K of the
   weight's elements, but it is three more graph nodes per product.
 - "zero-point": the range widened to include 0 and an integer zero point round(-min / scale),
   onnxruntime's own quantizer's choice: no extra product, but the grid is shifted by up to
