@@ -285,8 +285,9 @@ def speculative_decode_steps(
     """`speculative_decode_with` as a generator of the tokens each step emits.
 
     Per step: ask the drafter for up to k tokens (k bounded by `options.max_draft_len`, the
-    tokens still wanted, the KV capacity and the decoder's `max_verify_len`, then by the
-    `draft_length` policy's `limit`), keep the first `draft_length.choose(block)` of them,
+    tokens still wanted, the KV capacity and the decoder's `max_verify_len`; a drafter whose
+    drafts cost model steps also asks the `draft_length` policy's `limit` through
+    `use_draft_length`), keep the first `draft_length.choose(block)` of them,
     verify pending + drafts in one call, apply the rule, roll the cache back to what survived.
     An empty draft is a plain single-token step. The policy sees only the history and the
     draft, never the target's random draws, so the output distribution is unchanged.
@@ -305,6 +306,9 @@ def speculative_decode_steps(
     begin = getattr(drafter, "begin", None)  # optional hook: a new request starts
     if begin is not None:
         begin(options)
+    attach = getattr(drafter, "use_draft_length", None)  # drafters that pay per drafted token
+    if attach is not None:
+        attach(draft_length)
     pending = _prefill(decoder, prompt, counters)
     n_new = 0
     finish: FinishReason = "length"
@@ -318,8 +322,6 @@ def speculative_decode_steps(
             k_max = min(k_max, options.max_draft_len)
         if verify_cap is not None:
             k_max = min(k_max, verify_cap - 1)
-        if draft_length is not None and k_max > 0:
-            k_max = max(0, min(k_max, int(draft_length.limit(k_max))))
         block = proposed = DraftBlock.empty()
         if k_max > 0:
             t0 = time.perf_counter()

@@ -33,7 +33,7 @@ CALIBRATION_VERSION = 1
 
 
 class DraftLengthPolicy(Protocol):
-    def limit(self, k_max: int) -> int: ...  # before drafting: most tokens worth drafting
+    def limit(self, k_max: int) -> int: ...  # asked by a drafter that pays per drafted token
 
     def choose(self, block: DraftBlock) -> int: ...  # after drafting: how many to verify
 
@@ -84,6 +84,30 @@ class CostCurve:
         decoder.reset()
         med = np.maximum.accumulate([float(np.median(t)) for t in times])
         return cls(tuple(float(x) for x in med))
+
+
+def step_cost_ratio(a, b, *, context: int = 128, repeats: int = 12, seed: int = 0) -> float:
+    """Median over interleaved pairs of (one step of decoder a) / (one step of decoder b)."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, min(a.vocab_size, b.vocab_size), size=context).tolist()
+    for d in (a, b):
+        d.reset()
+        chunk = getattr(d, "max_verify_len", None) or 64
+        for lo in range(0, context, chunk):
+            d.forward_batch(prompt[lo : lo + chunk])
+    ratios = []
+    for rep in range(repeats + 1):
+        t = []
+        for d in (a, b) if rep % 2 else (b, a):
+            d.truncate(context)
+            t0 = time.perf_counter()
+            d.forward_token(prompt[rep % context])
+            t.append(time.perf_counter() - t0)
+        if rep:  # the first pair warms up
+            ratios.append(t[0] / t[1] if rep % 2 else t[1] / t[0])
+    a.reset()
+    b.reset()
+    return float(np.median(ratios))
 
 
 def machine_key(providers: Sequence[str]) -> str:
@@ -157,10 +181,14 @@ DECAY = 0.98  # per observation of a key: recent behaviour of this request count
 
 
 class AcceptanceModel:
-    """Per (drafter, match length) and draft position j: P(draft j accepted | 1..j-1 accepted)."""
+    """Per (drafter, match length) and draft position j: P(draft j accepted | 1..j-1 accepted).
 
-    def __init__(self, max_len: int = 64) -> None:
+    `model_prior` replaces PRIOR_MODEL for draft models, e.g. with the top-1 agreement the export
+    measured between draft and target (recorded in the draft's manifest)."""
+
+    def __init__(self, max_len: int = 64, *, model_prior: float | None = None) -> None:
         self.max_len = max_len
+        self.model_prior = PRIOR_MODEL if model_prior is None else min(0.99, max(0.01, model_prior))
         self._tries: dict[tuple[str, int], np.ndarray] = {}
         self._hits: dict[tuple[str, int], np.ndarray] = {}
 
@@ -170,11 +198,10 @@ class AcceptanceModel:
             return ("prompt_lookup", min(max(block.match_len, 1), 3))
         return (block.source or "draft", 0)
 
-    @staticmethod
-    def prior(key: tuple[str, int]) -> float:
+    def prior(self, key: tuple[str, int]) -> float:
         if key[0] == "prompt_lookup":
             return PRIOR_LOOKUP[key[1]]
-        return PRIOR_MODEL
+        return self.model_prior
 
     def _arrays(self, key: tuple[str, int]) -> tuple[np.ndarray, np.ndarray]:
         if key not in self._tries:
@@ -211,6 +238,9 @@ def expected_tokens(a: np.ndarray) -> np.ndarray:  # a: [K] -> [K + 1], E(k) for
     return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(a))])
 
 
+EXPLORE_EVERY = 16  # a model drafter judged not worth it still drafts 1 token this often
+
+
 class AdaptiveDraftLength:
     """The cost-model policy: k* = argmax E(k) / (c(k + 1) + k * c_draft)."""
 
@@ -219,6 +249,7 @@ class AdaptiveDraftLength:
         self.curve = curve
         self.draft_step_seconds = draft_step_seconds
         self.acceptance = acceptance or AcceptanceModel()
+        self._skipped = 0  # consecutive steps limit() ruled out drafting
         self.chosen: collections.deque[int] = collections.deque(maxlen=4096)  # recent k, for reports
 
     @classmethod
@@ -226,9 +257,13 @@ class AdaptiveDraftLength:
         curve = calibrated_cost_curve(model.decoder, model.path, refresh=refresh)
         draft_cost = 0.0
         if getattr(model, "draft", None) is not None:
-            draft_dir = getattr(model.draft, "model_dir", model.path)
-            draft_cost = calibrated_cost_curve(model.draft, draft_dir, refresh=refresh).cost(1)
-        return cls(curve, draft_step_seconds=draft_cost)
+            # timings taken at different moments are not comparable on a drifting machine: the
+            # draft's step is measured against the target's, interleaved, and scaled to the curve
+            draft_cost = step_cost_ratio(model.draft, model.decoder) * curve.cost(1)
+            agreement = model.draft.manifest.extra.get("agreement", {}).get("top1")
+            prior = float(agreement) if isinstance(agreement, (int, float)) else None
+            return cls(curve, draft_step_seconds=draft_cost, acceptance=AcceptanceModel(model_prior=prior))
+        return cls(curve)
 
     def _best(self, a: np.ndarray, per_draft: float) -> int:
         e = expected_tokens(a)
@@ -236,10 +271,18 @@ class AdaptiveDraftLength:
         return int(np.argmax(e / costs))
 
     def limit(self, k_max: int) -> int:
+        """How many tokens a model drafter should draft (it pays `draft_step_seconds` each)."""
         if self.draft_step_seconds <= 0:
-            return k_max  # drafting is free (prompt lookup): draft all, choose after
+            return k_max
         a = self.acceptance.estimates(("draft_model", 0), k_max)
-        return self._best(a, self.draft_step_seconds)
+        k = self._best(a, self.draft_step_seconds)
+        if k == 0:  # keep learning: without drafts the estimate could never recover
+            self._skipped += 1
+            if self._skipped % EXPLORE_EVERY == 0:
+                return 1
+        else:
+            self._skipped = 0
+        return k
 
     def choose(self, block: DraftBlock) -> int:
         a = self.acceptance.estimates(AcceptanceModel.key(block), len(block))

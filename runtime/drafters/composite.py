@@ -27,6 +27,12 @@ class FallbackDrafter:
             if begin is not None:
                 begin(options)
 
+    def use_draft_length(self, policy: object) -> None:
+        for d in self.drafters:
+            attach = getattr(d, "use_draft_length", None)
+            if attach is not None:
+                attach(policy)
+
     def propose(self, history: Sequence[int], max_tokens: int) -> DraftBlock:
         for d in self.drafters:
             block = d.propose(history, max_tokens)

@@ -25,6 +25,7 @@ from ..sampling import DraftBlock, DraftDist, check_sampling_options, sample_fro
 
 if TYPE_CHECKING:
     from ..decode import SpeculativeOptions
+    from ..draft_length import DraftLengthPolicy
 
 
 class DraftModelDrafter:
@@ -63,8 +64,14 @@ class DraftModelDrafter:
         self._confirmed = 0  # history length at the previous call
         self._source: Sequence[int] | None = None  # the history object seen then
         self._source_edits = -1
+        self._policy: "DraftLengthPolicy | None" = None
         self.steps = 0  # draft forward calls
         self.seconds = 0.0  # time in the draft model
+
+    def use_draft_length(self, policy: "DraftLengthPolicy | None") -> None:
+        """Called by the decode loop: drafting costs a draft step per token, so the policy's
+        `limit` decides how many are worth drafting before any is drafted."""
+        self._policy = policy
 
     def begin(self, options: "SpeculativeOptions") -> None:
         """Called by the decode loop at the start of a request: adopt its sampling options where
@@ -109,6 +116,8 @@ class DraftModelDrafter:
     def propose(self, history: Sequence[int], max_tokens: int) -> DraftBlock:
         # the cache will hold the history and all drafts but the last
         k = min(self.max_draft_len, max_tokens, self.decoder.capacity - len(history) + 1)
+        if self._policy is not None and k > 0:
+            k = max(0, min(k, int(self._policy.limit(k))))
         if k <= 0 or not history:
             return DraftBlock.empty()
         t0 = time.perf_counter()

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Reproduces the committed results under benchmarks/ (default model, this machine's CPU).
+# Each run interleaves plain and speculative decoding per prompt (A B, then B A), so only the
+# ratios and counts are evidence; absolute tokens/s drift with the machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+make setup
+B=".venv/bin/ortspec bench"
+# 1. the full dev split, greedy: plain vs prompt lookup with the cost-model draft length
+$B --per-category 0 --temperature 0 --methods plain,prompt-lookup --out benchmarks/dev-t0
+# 2. fixed draft lengths vs the cost model, greedy and temperature 1 (5 prompts per category)
+$B --per-category 5 --temperature 0 --out benchmarks/draft-length-t0 \
+   --methods plain,prompt-lookup,prompt-lookup:k2,prompt-lookup:k4,prompt-lookup:k8
+$B --per-category 5 --temperature 1 --out benchmarks/draft-length-t1 \
+   --methods plain,prompt-lookup,prompt-lookup:k2,prompt-lookup:k4,prompt-lookup:k8
+# 3. self-speculative draft models (exported beside the target on first use)
+.venv/bin/python -c "from ortspec.export import ensure_default_draft; ensure_default_draft('int4')"
+$B --per-category 5 --temperature 0 --out benchmarks/draft-model-t0 \
+   --methods plain,prompt-lookup,draft-model,prompt-lookup+draft-model
+# 4. anchors on the same prompts: onnxruntime-genai 0.18 (its own environment)
+scripts/setup_anchors.sh
+$B --per-category 4 --temperature 0 --methods plain,prompt-lookup --anchors genai --out benchmarks/anchors-t0
