@@ -181,15 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     anchors, anchor_raw = _anchor_speedups(anchor_names, prompts, model, config, args.threads) if anchor_names else ({}, {})
     command = "ortspec bench " + " ".join(shlex.quote(a) for a in argv)
     title = f"{model.path.name}, {args.split} split, T={args.temperature}, {len(prompts)} prompts"
-    md = [f"# ortspec bench: {title}\n", f"Command: `{command}`\n",
+    md = [f"# ortspec bench: {title}\n\n", f"Command: `{command}`\n\n",
           f"Machine: {machine_description()['cpu']}, {os.cpu_count()} CPUs, "
-          f"providers {model.decoder.providers}. Date: {dt.date.today().isoformat()}.\n",
+          f"providers {model.decoder.providers}. Date: {dt.date.today().isoformat()}.\n\n",
           f"Skipped (prompt + new tokens over the capacity): {len(skipped)}.\n",
-          "## Speed and acceptance\n", report.markdown_tables(aggs, anchors=anchors),
-          "\n## Acceptance by draft position (accepted / drafted at that position)\n",
+          "\n## Speed and acceptance\n\n", report.markdown_tables(aggs, anchors=anchors),
+          "\n## Acceptance by draft position (accepted / drafted at that position)\n\n",
           report.acceptance_table(aggs)]
     if anchor_raw:
-        md.append("\n## Anchors\n")
+        md.append("\n## Anchors\n\n")
         for name, raw in anchor_raw.items():
             md.append(f"- {name}: {raw if isinstance(raw, str) else f'{len(raw)} decodes'}\n")
     (out / "results.md").write_text("".join(md), encoding="utf-8")

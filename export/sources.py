@@ -24,9 +24,9 @@ from typing import Any
 
 from ortspec.runtime.errors import ExportError
 from ortspec.runtime.manifest import sha256_file
+from ortspec.runtime.paths import MODELS_DIR_ENV, models_dir  # noqa: F401 - re-exported
 
 DEFAULT_RECIPE = "smollm2-135m-instruct"
-MODELS_DIR_ENV = "ORTSPEC_MODELS_DIR"
 # Hugging Face `model_type` / GGUF `general.architecture` -> the graph family
 MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
@@ -63,13 +63,6 @@ class Source:
             rec["recipe"] = self.recipe["name"]
             rec["wheel_sha256"] = self.recipe["wheel_sha256"]
         return rec
-
-
-def models_dir() -> Path:
-    """The repository's `models/` (recipes, download cache, exported models); $ORTSPEC_MODELS_DIR
-    overrides it."""
-    env = os.environ.get(MODELS_DIR_ENV)
-    return Path(env) if env else Path(__file__).resolve().parents[1] / "models"
 
 
 def load_recipe(name: str = DEFAULT_RECIPE) -> dict[str, Any]:

@@ -11,23 +11,11 @@ Errors the user can fix print as one line and exit with status 2, no traceback.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 from .errors import InvalidOptionError, InvalidPromptError, OrtspecError
-
-DEFAULT_MODEL_NAME = "smollm2-135m-instruct-fp32"
-
-
-def models_dir() -> Path:
-    """Where downloads and exports are cached: $ORTSPEC_MODELS_DIR, else the repository's models/."""
-    env = os.environ.get("ORTSPEC_MODELS_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[1] / "models"
-
-
-def default_model_path() -> Path:
-    return models_dir() / "exported" / DEFAULT_MODEL_NAME
+from .paths import default_model_path, models_dir  # noqa: F401 - models_dir re-exported
 
 
 def _model_arg(value: str | None) -> Path:
