@@ -98,6 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from .draft_length import AdaptiveDraftLength
 
         policy = AdaptiveDraftLength.for_model(model)
+    draft_ort0 = model.draft.ort_seconds if model.draft is not None else 0.0
     stream = model.stream(prompt, drafter=drafter, options=options, chat=args.chat, draft_length=policy)
     for piece in stream:
         sys.stdout.write(piece)
@@ -107,7 +108,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     assert r is not None
     c = r.counters
     tps = r.num_tokens / c.total_seconds if c.total_seconds > 0 else 0.0
-    outside = 1 - c.ort_seconds / c.total_seconds if c.total_seconds > 0 else 0.0
+    ort = c.ort_seconds + (model.draft.ort_seconds - draft_ort0 if model.draft is not None else 0.0)
+    outside = 1 - ort / c.total_seconds if c.total_seconds > 0 else 0.0  # target and draft runs
     print(
         f"[{r.num_tokens} tokens, {tps:.1f} tok/s, finish={r.finish_reason}, "
         f"{c.mean_tokens_per_call:.2f} tokens/call, acceptance {c.acceptance_rate:.1%} "
