@@ -13,10 +13,11 @@ $B --per-category 5 --temperature 0 --out benchmarks/draft-length-t0 \
    --methods plain,prompt-lookup,prompt-lookup:k2,prompt-lookup:k4,prompt-lookup:k8
 $B --per-category 5 --temperature 1 --out benchmarks/draft-length-t1 \
    --methods plain,prompt-lookup,prompt-lookup:k2,prompt-lookup:k4,prompt-lookup:k8
-# 3. self-speculative draft models (exported beside the target on first use)
+# 3. self-speculative draft models (exported beside the target on first use), 3 prompts per category
 .venv/bin/python -c "from ortspec.export import ensure_default_draft; ensure_default_draft('int4')"
-$B --per-category 5 --temperature 0 --out benchmarks/draft-model-t0 \
-   --methods plain,prompt-lookup,draft-model,prompt-lookup+draft-model
-# 4. anchors on the same prompts: onnxruntime-genai 0.18 (its own environment)
-scripts/setup_anchors.sh
-$B --per-category 4 --temperature 0 --methods plain,prompt-lookup --anchors genai --out benchmarks/anchors-t0
+for T in 0 1; do
+  $B --per-category 3 --temperature $T --out benchmarks/draft-model-t$T \
+     --methods plain,prompt-lookup,draft-model,prompt-lookup+draft-model
+done
+# (not committed) the anchors on the same prompts, in their own environment:
+#   scripts/setup_anchors.sh && $B --per-category 3 --methods plain,prompt-lookup --anchors genai,hf --out benchmarks/tmp/anchors
