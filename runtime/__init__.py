@@ -1,7 +1,7 @@
 """ortspec.runtime: lossless speculative decoding over ONNX Runtime (NumPy + onnxruntime only)."""
 
+from .counters import DecodeCounters
 from .decode import (
-    DecodeCounters,
     SpeculativeDecodeResult,
     SpeculativeOptions,
     plain_decode,
