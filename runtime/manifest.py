@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -326,6 +325,3 @@ def read_manifest(directory: str | os.PathLike, *, verify_checksums: bool = True
         check_graph(d, name, m)
     return m
 
-
-def is_finite_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
