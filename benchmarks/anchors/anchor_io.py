@@ -141,6 +141,33 @@ def prompt_digest(ids: Sequence[int]) -> str:
     return hashlib.sha256(json.dumps([int(t) for t in ids]).encode()).hexdigest()[:16]
 
 
+def run_record(
+    meta: Mapping[str, Any], prompt: Mapping[str, Any], *, mode: str, repeat: int, ids: Sequence[int],
+    new: list[int], eos: Iterable[int], wall: float, prefill: float | None, calls: int | None,
+    first_plain: list[int] | None, greedy: bool, stats: Any,
+) -> dict[str, Any]:
+    """One decode's record, in the format this module's docstring describes (every anchor)."""
+    return {
+        **meta,
+        "type": "run",
+        "id": prompt["id"],
+        "category": prompt["category"],
+        "mode": mode,
+        "repeat": repeat,
+        "prompt_tokens": len(ids),
+        "prompt_digest": prompt_digest(ids),
+        "new_tokens": len(new),
+        "output_ids": new,
+        "finish_reason": "eos" if new and new[-1] in set(eos) else "length",
+        "wall_s": wall,
+        "prefill_s": prefill,
+        "tokens_per_s": len(new) / wall if wall > 0 else None,
+        "forward_calls": calls,
+        "matches_plain": (new == first_plain) if (greedy and first_plain is not None) else None,
+        "stats": stats,
+    }
+
+
 def mark_matches(records: list[dict[str, Any]], greedy: bool) -> None:
     """Fill `matches_plain` in place (see the module docstring)."""
     first_plain: dict[str, list[int]] = {}

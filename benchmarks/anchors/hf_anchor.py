@@ -149,27 +149,10 @@ def main(argv=None) -> int:
                 new, wall, calls = generate(model, counter, ids, mode=mode, **gen_kw)
                 if mode == "plain" and first_plain is None:
                     first_plain = new
-                out.write(
-                    {
-                        **meta,
-                        "type": "run",
-                        "id": p["id"],
-                        "category": p["category"],
-                        "mode": mode,
-                        "repeat": rep,
-                        "prompt_tokens": len(ids),
-                        "prompt_digest": anchor_io.prompt_digest(ids),
-                        "new_tokens": len(new),
-                        "output_ids": new,
-                        "finish_reason": "eos" if new and new[-1] in eos else "length",
-                        "wall_s": wall,
-                        "prefill_s": None,
-                        "tokens_per_s": len(new) / wall if wall > 0 else None,
-                        "forward_calls": calls,
-                        "matches_plain": (new == first_plain) if (greedy and first_plain is not None) else None,
-                        "stats": None,
-                    }
-                )
+                out.write(anchor_io.run_record(
+                    meta, p, mode=mode, repeat=rep, ids=ids, new=new, eos=eos, wall=wall,
+                    prefill=None, calls=calls, first_plain=first_plain, greedy=greedy,
+                    stats=None))
     out.close()
     return 0
 
