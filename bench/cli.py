@@ -53,6 +53,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--providers", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/tmp/latest", help="output directory")
+    ap.add_argument("--reaggregate", metavar="DIR", default=None,
+                    help="rewrite DIR's results.md/json and plots from its results.json with this "
+                         "version's aggregation (no decoding)")
     args = ap.parse_args(argv)
     if args.per_category < 0:
         raise InvalidOptionError(f"--per-category must be >= 0, got {args.per_category}")
@@ -144,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = _parse(argv)
+        if args.reaggregate:
+            return reaggregate(args.reaggregate)
         methods = [Method.parse(s) for s in args.methods.split(",") if s.strip()]
         if not methods or methods[0].name != "plain":
             methods = [Method.parse("plain")] + [m for m in methods if m.name != "plain"]
@@ -176,30 +181,73 @@ def main(argv: list[str] | None = None) -> int:
     if bar is not None:
         bar.close()
     names = [m.name for m in methods]
-    aggs = report.aggregate(records, methods=names)
     anchor_names = [a for a in args.anchors.split(",") if a]
     anchors, anchor_raw = _anchor_speedups(anchor_names, prompts, model, config, args.threads) if anchor_names else ({}, {})
     command = "ortspec bench " + " ".join(shlex.quote(a) for a in argv)
     title = f"{model.path.name}, {args.split} split, T={args.temperature}, {len(prompts)} prompts"
-    md = [f"# ortspec bench: {title}\n\n", f"Command: `{command}`\n\n",
-          f"Machine: {machine_description()['cpu']}, {os.cpu_count()} CPUs, "
-          f"providers {model.decoder.providers}. Date: {dt.date.today().isoformat()}.\n\n",
-          f"Skipped (prompt + new tokens over the capacity): {len(skipped)}.\n",
+    meta = {"command": command, "date": dt.datetime.now().isoformat(timespec="seconds"),
+            "machine": machine_description(), "model": str(model.path),
+            "manifest_source": model.manifest.source, "config": vars(config), "methods": names,
+            "skipped": skipped, "anchors": anchors,
+            "anchor_records": {k: v for k, v in anchor_raw.items()}, "title": title,
+            "providers": list(model.decoder.providers)}
+    write_outputs(out, meta, records)
+    return 0
+
+
+def write_outputs(out: Path, meta: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    """results.md, results.json and the plots in `out`, aggregated from `records`."""
+    names = meta["methods"]
+    anchors = meta.get("anchors") or {}
+    aggs = report.aggregate(records, methods=names)
+    machine = meta.get("machine") or {}
+    title = meta.get("title") or Path(meta.get("model", "model")).name
+    anchor_raw = meta.get("anchor_records") or {}
+    md = [f"# ortspec bench: {title}\n\n", f"Command: `{meta['command']}`\n\n",
+          f"Machine: {machine.get('cpu')}, {machine.get('cpu_count')} CPUs, "
+          f"providers {meta.get('providers', ['CPUExecutionProvider'])}. "
+          f"Date: {str(meta.get('date', ''))[:10]}.\n\n",
+          f"Skipped (prompt + new tokens over the capacity): {len(meta.get('skipped') or [])}.\n",
           "\n## Speed and acceptance\n\n", report.markdown_tables(aggs, anchors=anchors),
           "\n## Acceptance by draft position (accepted / drafted at that position)\n\n",
           report.acceptance_table(aggs)]
+    if meta.get("reaggregated"):
+        md.insert(2, f"Tables re-aggregated from results.json on {meta['reaggregated']}"
+                     f" (`ortspec bench --reaggregate`).\n\n")
     if anchor_raw:
         md.append("\n## Anchors\n\n")
         for name, raw in anchor_raw.items():
             md.append(f"- {name}: {raw if isinstance(raw, str) else f'{len(raw)} decodes'}\n")
-    (out / "results.md").write_text("".join(md), encoding="utf-8")
-    report.write_json(out / "results.json", {
-        "command": command, "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "machine": machine_description(), "model": str(model.path), "manifest_source": model.manifest.source,
-        "config": vars(config), "methods": names, "skipped": skipped, "aggregates": aggs,
-        "anchors": anchors, "anchor_records": {k: v for k, v in anchor_raw.items()}, "records": records,
-    })
+    tmp = out / "results.md.tmp"
+    tmp.write_text("".join(md), encoding="utf-8")
+    tmp.replace(out / "results.md")
+    report.write_json(out / "results.json", {**meta, "aggregates": aggs, "records": records})
     plots = report.plot(aggs, out, anchors=anchors, title=title)
-    print("".join(md[4:6]))
+    print(report.markdown_tables(aggs, anchors=anchors))
     print(f"wrote {out / 'results.md'}, {out / 'results.json'}" + "".join(f", {p}" for p in plots), file=sys.stderr)
+
+
+def reaggregate(directory: str) -> int:
+    """Rewrite a finished run's tables from its results.json with this version's aggregation."""
+    import json
+
+    out = Path(directory)
+    try:
+        data = json.loads((out / "results.json").read_text(encoding="utf-8"))
+        records = data.pop("records")
+        data.pop("aggregates", None)
+        data["methods"], data["command"]  # noqa: B018 - required keys
+    except (OSError, ValueError, KeyError) as e:
+        print(f"ortspec bench: error: --reaggregate needs a directory with a results.json written by "
+              f"ortspec bench ({out}: {e})", file=sys.stderr)
+        return 2
+    if "title" not in data:
+        config = data.get("config") or {}
+        prompts = len({r["question_id"] for r in records})
+        ids = {r["question_id"] for r in records}
+        split = "dev" if all(i % 2 == 0 for i in ids) else "heldout" if all(i % 2 for i in ids) else "all"
+        data["title"] = (f"{Path(data.get('model', 'model')).name}, {split} split, "
+                         f"T={config.get('temperature', 0.0)}, {prompts} prompts")
+    data["reaggregated"] = dt.date.today().isoformat()
+    write_outputs(out, data, records)
     return 0

@@ -93,11 +93,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model = load_model(_model_arg(args.model), providers=_providers_arg(args.providers),
                        threads=args.threads, draft=(args.draft or True) if needs_draft else None)
     drafter = model.make_drafter(args.drafter, ngram_size=args.ngram_size, max_draft_len=args.max_draft_len)
-    policy = None
-    if drafter is not None and not args.fixed_draft_len:
-        from .draft_length import AdaptiveDraftLength
-
-        policy = AdaptiveDraftLength.for_model(model)
+    policy = None if args.fixed_draft_len else "auto"
     draft_ort0 = model.draft.ort_seconds if model.draft is not None else 0.0
     stream = model.stream(prompt, drafter=drafter, options=options, chat=args.chat, draft_length=policy)
     for piece in stream:

@@ -12,6 +12,7 @@ the new pending one. Because the last token is never fed, `prompt + new tokens` 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 from typing import Callable, Generator, Iterator, Literal, Sequence
 
@@ -133,6 +134,13 @@ class DecodeStream:
         return self.result
 
 
+def _accepts_keyword(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _ort_seconds(decoder: Decoder) -> float:
     return float(getattr(decoder, "ort_seconds", 0.0))
 
@@ -233,6 +241,11 @@ def speculative_decode_steps(
     begin = getattr(drafter, "begin", None)  # optional hook: a new request starts
     if begin is not None:
         begin(options)
+    observe_cost = getattr(draft_length, "observe_cost", None)  # policies that learn call costs
+    policy_begin = getattr(draft_length, "begin", None)
+    if policy_begin is not None:
+        policy_begin(options)
+    exact_unverified = draft_length is not None and _accepts_keyword(draft_length.observe, "first_accept_prob")
     attach = getattr(drafter, "use_draft_length", None)  # drafters that pay per drafted token
     if attach is not None:
         attach(draft_length)
@@ -270,9 +283,18 @@ def speculative_decode_steps(
             logits, block, rng, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p
         )
         counters.model_seconds += t1 - t0
-        counters.sample_seconds += time.perf_counter() - t1
+        t2 = time.perf_counter()
+        counters.sample_seconds += t2 - t1
+        if observe_cost is not None:
+            observe_cost(len(block) + 1, t2 - t0)
         if draft_length is not None:
-            draft_length.observe(proposed, len(block), outcome.n_accepted, outcome.tokens[0])
+            if exact_unverified and not len(block) and len(proposed) and outcome.p_bonus is not None:
+                # the plain step's own target row says how likely the first draft was to pass
+                d0 = proposed.dists[0]
+                chance = float(np.minimum(outcome.p_bonus[d0.token_ids], d0.probs).sum())
+                draft_length.observe(proposed, 0, 0, outcome.tokens[0], first_accept_prob=chance)
+            else:
+                draft_length.observe(proposed, len(block), outcome.n_accepted, outcome.tokens[0])
         # emit one by one: a stop token ends the decode even inside an accepted block
         emitted = 0
         for tok in outcome.tokens:

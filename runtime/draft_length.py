@@ -6,12 +6,22 @@ is accepted given that the ones before it were. Per verify, the policy picks
 
     k* = argmax_k  E(k) / (c(k + 1) + k * c_draft)
 
-over k = 0 .. len(block); k = 0 is a plain single-token step. The choice depends only on the
-history and the draft (never on the target's random draws), so the output distribution is
-unchanged: the losslessness tests hold with the policy on.
+over k = 0 .. len(block); k = 0 is a plain single-token step. The choice depends only on what
+happened before this verify (the history, the draft, earlier outcomes and call times), never on
+the random draws that verify makes, so every emitted token still has the target's conditional
+distribution: the losslessness tests hold with the policy on.
 
 The a_j are learned online per drafter (`DraftBlock.source`) and, for prompt lookup, per match
-length (a 3-gram match is accepted far more often than a 1-gram one), starting from a prior.
+length (a 3-gram match is accepted far more often than a 1-gram one), starting from a prior,
+apart for greedy and sampled requests, and both across requests and within the current one
+(`AcceptanceModel`). A draft that was not verified still counts: the plain step's target row
+gives the exact chance it would have been accepted.
+
+The cost curve is calibrated once per model, provider and machine at a context of 256 tokens on
+an idle model; in use, a verify costs more or less than that relative to a step (longer
+contexts, other work on the machine, sampling k + 1 rows at a temperature above 0). The policy
+therefore also times every target call (model call plus verification) and learns one factor
+by which the curve's extra cost of a block over a step is off: see `CostCorrection`.
 """
 
 from __future__ import annotations
@@ -38,6 +48,9 @@ class DraftLengthPolicy(Protocol):
     def choose(self, block: DraftBlock) -> int: ...  # after drafting: how many to verify
 
     def observe(self, proposed: DraftBlock, n_verified: int, n_accepted: int, first_token: int) -> None: ...
+
+    # optional: `begin(options)` when a request starts; `observe_cost(n_tokens, seconds)` after
+    # every target call, with its wall time; `observe(..., first_accept_prob=)` keyword
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,11 +155,13 @@ def _model_key(decoder, model_dir: str | os.PathLike) -> str:
 
 
 def calibrated_cost_curve(decoder, model_dir: str | os.PathLike, *, refresh: bool = False) -> CostCurve:
-    """The decoder's cost curve, cached per model graph, provider and machine under
+    """The decoder's cost curve, cached per model graph, provider, machine and thread count under
     `cache_dir()/calibration/`; measured (a few seconds) when missing or on `refresh`."""
     providers = list(getattr(decoder, "providers", []) or [])
     max_len = getattr(decoder, "max_verify_len", None) or 16
-    path = cache_dir() / "calibration" / f"{_model_key(decoder, model_dir)}-{machine_key(providers)}.json"
+    threads = getattr(decoder, "intra_op_threads", 0) or 0
+    suffix = f"-{threads}threads" if threads else ""
+    path = cache_dir() / "calibration" / f"{_model_key(decoder, model_dir)}-{machine_key(providers)}{suffix}.json"
     if not refresh:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
@@ -177,20 +192,32 @@ def calibrated_cost_curve(decoder, model_dir: str | os.PathLike, *, refresh: boo
 PRIOR_LOOKUP = {1: 0.3, 2: 0.45, 3: 0.6}
 PRIOR_MODEL = 0.6
 PRIOR_WEIGHT = 3.0  # pseudo-observations behind each prior
-DECAY = 0.98  # per observation of a key: recent behaviour of this request counts most
+DECAY = 0.98  # per observation of a key: about the last 50 count
 
 
 class AcceptanceModel:
     """Per (drafter, match length) and draft position j: P(draft j accepted | 1..j-1 accepted).
 
+    Two levels of counts per key, both kept apart for greedy and for sampled requests (a
+    point-mass draft is accepted iff it is the argmax at temperature 0, with probability p(x)
+    above it: the same drafts fare very differently):
+    - across requests, over a prior (`prior`, PRIOR_WEIGHT);
+    - within the current request (from `begin_request`), over the cross-request estimate as its
+      prior with REQUEST_PRIOR_WEIGHT, so a request whose drafts fare unlike the last ones (a rag
+      answer after a translation) is recognised after a few drafts.
+    Both decay per observation of the key (DECAY), so recent behaviour counts most.
+
     `model_prior` replaces PRIOR_MODEL for draft models, e.g. with the top-1 agreement the export
     measured between draft and target (recorded in the draft's manifest)."""
+
+    REQUEST_PRIOR_WEIGHT = 4.0
 
     def __init__(self, max_len: int = 64, *, model_prior: float | None = None) -> None:
         self.max_len = max_len
         self.model_prior = PRIOR_MODEL if model_prior is None else min(0.99, max(0.01, model_prior))
-        self._tries: dict[tuple[str, int], np.ndarray] = {}
-        self._hits: dict[tuple[str, int], np.ndarray] = {}
+        self.sampled = False  # the current request samples (temperature > 0)
+        self._global: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # key -> (tries, hits)
+        self._request: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
     @staticmethod
     def key(block: DraftBlock) -> tuple[str, int]:
@@ -203,35 +230,43 @@ class AcceptanceModel:
             return PRIOR_LOOKUP[key[1]]
         return self.model_prior
 
-    def _arrays(self, key: tuple[str, int]) -> tuple[np.ndarray, np.ndarray]:
-        if key not in self._tries:
-            self._tries[key] = np.zeros(self.max_len)
-            self._hits[key] = np.zeros(self.max_len)
-        return self._tries[key], self._hits[key]
+    def begin_request(self, *, sampled: bool) -> None:
+        self.sampled = sampled
+        self._request.clear()
+
+    def _arrays(self, table: dict, key: tuple[str, int]) -> tuple[np.ndarray, np.ndarray]:
+        full = (*key, self.sampled)
+        if full not in table:
+            table[full] = (np.zeros(self.max_len), np.zeros(self.max_len))
+        return table[full]
 
     def estimates(self, key: tuple[str, int], k: int) -> np.ndarray:  # [k]
-        tries, hits = self._arrays(key)
-        a0 = self.prior(key)
-        return (hits[:k] + a0 * PRIOR_WEIGHT) / (tries[:k] + PRIOR_WEIGHT)
+        tries, hits = self._arrays(self._global, key)
+        across = (hits[:k] + self.prior(key) * PRIOR_WEIGHT) / (tries[:k] + PRIOR_WEIGHT)
+        r_tries, r_hits = self._arrays(self._request, key)
+        w = self.REQUEST_PRIOR_WEIGHT
+        return (r_hits[:k] + across * w) / (r_tries[:k] + w)
 
     def update(self, key: tuple[str, int], n_verified: int, n_accepted: int) -> None:
-        tries, hits = self._arrays(key)
-        tries *= DECAY
-        hits *= DECAY
         seen = min(n_accepted + 1, n_verified)  # positions actually tested
-        tries[:seen] += 1
-        hits[:n_accepted] += 1
+        for table in (self._global, self._request):
+            tries, hits = self._arrays(table, key)
+            tries *= DECAY
+            hits *= DECAY
+            tries[:seen] += 1
+            hits[:n_accepted] += 1
 
-    def update_unverified(self, key: tuple[str, int], would_accept: bool) -> None:
-        """A draft that was not verified (k = 0 chosen) still teaches something: the token the
-        plain step emitted equals the first draft with probability p(draft), which is exactly the
-        acceptance probability of a point-mass draft. Without this, a pessimistic estimate would
-        never be revisited."""
-        tries, hits = self._arrays(key)
-        tries *= DECAY
-        hits *= DECAY
-        tries[0] += 1
-        hits[0] += float(would_accept)
+    def update_unverified(self, key: tuple[str, int], would_accept: float) -> None:
+        """A draft that was not verified (k = 0 chosen) still teaches something: the chance it
+        would have been accepted, sum_x min(p_target(x), p_draft(x)) for the target row the plain
+        step used (p_target of the drafted token for a point mass; 0 or 1 at temperature 0), or
+        a 0/1 outcome of it. Without this, a pessimistic estimate would never be revisited."""
+        for table in (self._global, self._request):
+            tries, hits = self._arrays(table, key)
+            tries *= DECAY
+            hits *= DECAY
+            tries[0] += 1
+            hits[0] += float(would_accept)
 
 
 def expected_tokens(a: np.ndarray) -> np.ndarray:  # a: [K] -> [K + 1], E(k) for k = 0..K
@@ -239,6 +274,58 @@ def expected_tokens(a: np.ndarray) -> np.ndarray:  # a: [K] -> [K + 1], E(k) for
 
 
 EXPLORE_EVERY = 16  # a model drafter judged not worth it still drafts 1 token this often
+
+
+class CostCorrection:
+    """How far the calibrated curve is off in use, learned from timed calls.
+
+    The curve says a block of n costs rel(n) = c(n) / c(1) steps. A call of n > 1 tokens that
+    took t seconds, against a recent single step's time t1 (an average of recent steps, so the
+    machine's drift cancels), shows an excess of t / t1 - 1 steps where the curve said
+    rel(n) - 1. One factor s scales every predicted excess:
+
+        c'(n) = c(1) * (1 + s * (rel(n) - 1))
+
+    s is the ratio of observed to predicted excess summed over recent calls (decaying weights),
+    with PRIOR_WEIGHT pseudo-calls at s = 1, each call's ratio clipped to [0, MAX_RATIO] so one
+    call interrupted by the scheduler cannot swing it. Until a step has been timed there is
+    nothing to compare with, and s stays 1.
+    """
+
+    PRIOR_WEIGHT = 8.0
+    DECAY = 0.97  # per timed block: about the last 30 verifies count
+    STEP_ALPHA = 0.2  # weight of the newest step in the running step time
+    MAX_RATIO = 4.0
+
+    def __init__(self, curve: CostCurve) -> None:
+        self.curve = curve
+        self.step_seconds: float | None = None  # running average of single-step calls
+        self._observed = 0.0  # decayed sum of observed excess ratios (weights 1 each)
+        self._weight = 0.0  # decayed count of timed blocks
+
+    @property
+    def factor(self) -> float:
+        return (self.PRIOR_WEIGHT + self._observed) / (self.PRIOR_WEIGHT + self._weight)
+
+    def observe(self, n_tokens: int, seconds: float) -> None:
+        if not (seconds > 0 and n_tokens >= 1):
+            return
+        if n_tokens == 1:
+            prev = self.step_seconds
+            self.step_seconds = seconds if prev is None else prev + self.STEP_ALPHA * (seconds - prev)
+            return
+        if self.step_seconds is None:
+            return
+        predicted = self.curve.cost(n_tokens) / self.curve.cost(1) - 1.0
+        if predicted <= 0:
+            return
+        ratio = min(self.MAX_RATIO, max(0.0, (seconds / self.step_seconds - 1.0) / predicted))
+        self._observed = self._observed * self.DECAY + ratio
+        self._weight = self._weight * self.DECAY + 1.0
+
+    def cost(self, n: int) -> float:
+        c1 = self.curve.cost(1)
+        return c1 * (1.0 + self.factor * (self.curve.cost(n) / c1 - 1.0))
 
 
 class AdaptiveDraftLength:
@@ -249,6 +336,7 @@ class AdaptiveDraftLength:
         self.curve = curve
         self.draft_step_seconds = draft_step_seconds
         self.acceptance = acceptance or AcceptanceModel()
+        self.correction = CostCorrection(curve)
         self._skipped = 0  # consecutive steps limit() ruled out drafting
         self.chosen: collections.deque[int] = collections.deque(maxlen=4096)  # recent k, for reports
 
@@ -267,7 +355,7 @@ class AdaptiveDraftLength:
 
     def _best(self, a: np.ndarray, per_draft: float) -> int:
         e = expected_tokens(a)
-        costs = np.array([self.curve.cost(k + 1) + k * per_draft for k in range(a.size + 1)])
+        costs = np.array([self.correction.cost(k + 1) + k * per_draft for k in range(a.size + 1)])
         return int(np.argmax(e / costs))
 
     def limit(self, k_max: int) -> int:
@@ -290,9 +378,23 @@ class AdaptiveDraftLength:
         self.chosen.append(k)
         return k
 
-    def observe(self, proposed: DraftBlock, n_verified: int, n_accepted: int, first_token: int) -> None:
+    def begin(self, options) -> None:
+        """A request starts (called by the decode loop with its SpeculativeOptions)."""
+        self.acceptance.begin_request(sampled=float(getattr(options, "temperature", 0.0)) > 0)
+
+    def observe_cost(self, n_tokens: int, seconds: float) -> None:
+        """The wall time of one target call of `n_tokens` (model call and verification)."""
+        self.correction.observe(n_tokens, seconds)
+
+    def observe(self, proposed: DraftBlock, n_verified: int, n_accepted: int, first_token: int,
+                *, first_accept_prob: float | None = None) -> None:
+        """After a target call: `proposed` is the whole draft, `n_verified` of it were verified.
+        With none verified, `first_accept_prob` (when the loop knows it) is the chance the first
+        draft would have been accepted; otherwise whether the emitted token equals it."""
         key = AcceptanceModel.key(proposed)
         if n_verified:
             self.acceptance.update(key, n_verified, n_accepted)
         elif len(proposed):
-            self.acceptance.update_unverified(key, proposed.tokens[0] == first_token)
+            would = (first_accept_prob if first_accept_prob is not None
+                     else float(proposed.tokens[0] == first_token))
+            self.acceptance.update_unverified(key, would)

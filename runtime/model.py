@@ -22,6 +22,7 @@ from .decode import (
     plain_decode_steps,
     speculative_decode_steps,
 )
+from .draft_length import AdaptiveDraftLength
 from .drafters.prompt_lookup import PromptLookupSpeculator
 from .errors import InvalidOptionError, InvalidPromptError
 from .ort_decoder import OrtDecoder
@@ -37,6 +38,7 @@ class Model:
     manifest: mf.Manifest
     path: Path
     draft: OrtDecoder | None = None  # a self-speculative draft exported beside the target
+    _policy: Any = dataclasses.field(default=None, repr=False)  # draft_length_policy()'s, once made
 
     # -- text <-> tokens ------------------------------------------------------------------------
 
@@ -95,10 +97,26 @@ class Model:
             options = dataclasses.replace(options, stop_token_ids=self.manifest.stop_token_ids)
         return ids, options
 
+    def draft_length_policy(self, *, refresh: bool = False) -> AdaptiveDraftLength:
+        """The cost-model draft-length policy that `generate` and `stream` use by default.
+
+        Made on first use (the cost curve is read from the calibration cache, or measured in a
+        few seconds) and shared by this model's requests, so what it learns about acceptance and
+        call costs carries over, as in a server. `refresh` re-measures the curve."""
+        if self._policy is None or refresh:
+            self._policy = AdaptiveDraftLength.for_model(self, refresh=refresh)
+        return self._policy
+
     def _steps(self, ids: list[int], drafter: Drafter | str | None, options: SpeculativeOptions,
                draft_length: Any):
         if isinstance(drafter, str):
             drafter = self.make_drafter(drafter)
+        if isinstance(draft_length, str):
+            if draft_length != "auto":
+                raise InvalidOptionError(
+                    f"draft_length must be 'auto' (the cost model), None (always verify the whole "
+                    f"draft) or a policy object; got {draft_length!r}")
+            draft_length = self.draft_length_policy() if drafter is not None else None
         if drafter is None:
             return plain_decode_steps(self.decoder, ids, options)
         return speculative_decode_steps(self.decoder, ids, drafter, options, draft_length=draft_length)
@@ -111,11 +129,16 @@ class Model:
         options: SpeculativeOptions | None = None,
         chat: bool = False,
         system: str | None = None,
-        draft_length: Any = None,
+        draft_length: Any = "auto",
     ) -> SpeculativeDecodeResult:
         """Decode `prompt` (text, or token ids) with `drafter` (None: plain decoding).
 
         `options.stop_token_ids` defaults to the model's; `result.text` holds the decoded text.
+        `draft_length`: "auto" (default) lets the model's cost-model policy pick how many drafted
+        tokens to verify each step (`draft_length_policy()`); None verifies every draft whole;
+        or any object with the `DraftLengthPolicy` methods. Above temperature 0 the policy's
+        choices depend on what it has learned and timed so far, so a seed fixes the output only
+        with `draft_length=None` (the distribution is exact either way).
         """
         ids, options = self._prepare(prompt, options, chat, system)
         result = DecodeStream(self._steps(ids, drafter, options, draft_length)).run()
@@ -130,7 +153,7 @@ class Model:
         options: SpeculativeOptions | None = None,
         chat: bool = False,
         system: str | None = None,
-        draft_length: Any = None,
+        draft_length: Any = "auto",
     ) -> "TextStream":
         """Like `generate`, yielding text as tokens are accepted; `.result` when done."""
         ids, options = self._prepare(prompt, options, chat, system)

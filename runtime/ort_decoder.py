@@ -68,6 +68,9 @@ class OrtDecoder:
         self.provider_config = resolve_providers(providers, manifest=m, model_dir=self.model_dir)
         self.kv_mode: str = kv_mode or default_kv_mode(self.provider_config)
         self._sessions = self._open_sessions(threads, session_options)
+        # intra-op threads the sessions run with (0: onnxruntime's default); part of the key
+        # under which the cost curve is cached, since the relative cost of a block depends on it
+        self.intra_op_threads = next(iter(self._sessions.values())).get_session_options().intra_op_num_threads
         self.providers: list[str] = self._sessions["step"].get_providers()
         self._length = 0
         self.ort_seconds = 0.0  # wall time inside run_with_iobinding

@@ -324,6 +324,7 @@ class BlockOutcome:
     tokens: list[int]  # accepted drafts, then one recovered or bonus token
     n_accepted: int
     recovered: bool  # the last token was resampled after a rejection (else it is the bonus)
+    p_bonus: np.ndarray | None = None  # [vocab] warped target the bonus was drawn from (T > 0)
 
 
 def verify_block(
@@ -362,4 +363,4 @@ def verify_block(
             return BlockOutcome(out, i, True)
     p_target = warp(logits[k], temperature=temperature, top_k=top_k, top_p=top_p)
     out.append(sample_from(p_target, rng))
-    return BlockOutcome(out, k, False)
+    return BlockOutcome(out, k, False, p_target)

@@ -11,7 +11,6 @@ import sys
 import time
 
 from ortspec.runtime import SpeculativeOptions
-from ortspec.runtime.draft_length import AdaptiveDraftLength
 from ortspec.runtime.model import load_model
 
 PROMPT = """Summarize the following text in two sentences.
@@ -34,7 +33,7 @@ def main() -> int:
         print(f"default model ready at {path} ({time.perf_counter() - t0:.1f} s)")
     model = load_model(path)
     print(f"loaded {model.path.name}: providers {model.decoder.providers}")
-    policy = AdaptiveDraftLength.for_model(model)  # calibrated once per machine, cached
+    policy = model.draft_length_policy()  # the cost model: calibrated once per machine, cached
     ids = model.encode(PROMPT, chat=True)
     opts = SpeculativeOptions(args.max_new_tokens, temperature=args.temperature, seed=0)
     model.generate(ids[:8], drafter=None, options=SpeculativeOptions(4))  # warm-up

@@ -86,6 +86,7 @@ def test_speedup_is_the_ratio_of_total_tokens_per_second_by_hand():
     pl = aggs[("prompt-lookup", "qa")]
     # plain: 200 tokens / 10 s = 20 tok/s; prompt lookup: 200 / 8 s = 25 tok/s -> 1.25x
     assert pl.speedup == pytest.approx(1.25)
+    assert pl.raw_speedup == pytest.approx(1.25)  # equal token counts: the same figure
     # without prefill: 200 / 8 s vs 200 / 6 s -> 1.333x
     assert pl.decode_speedup == pytest.approx(8 / 6)
     # per-prompt ratios 2.0 and 1.0 -> geometric mean sqrt(2)
@@ -96,7 +97,26 @@ def test_speedup_is_the_ratio_of_total_tokens_per_second_by_hand():
     assert pl.identical == 2
     assert aggs[("prompt-lookup", "overall")].speedup == pytest.approx(1.25)
     table = markdown_tables(list(aggs.values()))
-    assert "| qa | prompt-lookup | 2 | 25.0 | 1.25× | 1.33× |" in table
+    assert "| qa | prompt-lookup | 2 | 25.0 | 1.25× | 1.25× | 1.33× |" in table
+
+
+def test_speedup_at_unequal_lengths_charges_each_method_plains_token_count():
+    # sampled outputs: the same per-token decode rate, a shorter output by chance. Raw tokens/s
+    # punishes the shorter run for its larger prefill share; the length-matched speedup does not.
+    records = [
+        _rec("plain", 0, "rag", 100, 3.0, prefill=1.0),  # decode 2 s for 100 tokens
+        _rec("prompt-lookup", 0, "rag", 50, 2.0, prefill=1.0),  # decode 1 s for 50: same rate
+    ]
+    pl = {(a.method, a.category): a
+          for a in aggregate(records, methods=["plain", "prompt-lookup"])}[("prompt-lookup", "rag")]
+    assert pl.raw_speedup == pytest.approx((50 / 2.0) / (100 / 3.0))  # 0.75
+    assert pl.decode_speedup == pytest.approx(1.0)
+    assert pl.speedup == pytest.approx(1.0)  # 3 s / (1 s prefill + 1 s * 100 / 50)
+    # a faster decode shows through: 50 tokens in 0.5 s -> 3 / (1 + 0.5 * 2) = 1.5
+    records[1] = _rec("prompt-lookup", 0, "rag", 50, 1.5, prefill=1.0)
+    pl = {(a.method, a.category): a
+          for a in aggregate(records, methods=["plain", "prompt-lookup"])}[("prompt-lookup", "rag")]
+    assert pl.speedup == pytest.approx(1.5)
 
 
 def test_categories_are_the_documented_six():

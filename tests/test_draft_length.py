@@ -1,6 +1,7 @@
 """The cost-model draft length: hand-worked choices, learning, calibration."""
 
 import numpy as np
+import pytest
 
 from ortspec.runtime import DraftBlock, PromptLookupSpeculator, ReferenceConfig, ReferenceDecoder, SpeculativeOptions
 from ortspec.runtime import plain_decode, speculative_decode_with
@@ -71,3 +72,123 @@ def test_calibration_is_measured_once_then_read_from_the_cache(tmp_path, monkeyp
     assert len(files) == 1
     again = calibrated_cost_curve(decoder, tmp_path / "model")
     assert again == curve  # read back, not re-measured
+
+
+def test_a_verify_slower_than_calibrated_is_learned_and_drafting_stops_paying():
+    policy = AdaptiveDraftLength(CPU_LIKE)
+    a = np.full(8, 0.2)
+    # calibrated: E(1) / c(2) = 1.2 / 1.1 = 1.09 beats a plain step, and k = 2 gives only 1.24 / 1.2
+    assert policy._best(a, 0.0) == 1
+    # blocks timed before any step cannot be compared with one: nothing is learned
+    policy.observe_cost(2, 5.0)
+    assert policy.correction.factor == 1.0
+    # in use a step takes 1.0 s and a block of 2 takes 1.3 s: an excess of 0.3 steps where the
+    # curve said 0.1, so the factor heads for 3 and c(2) for 1.3: 1.2 / 1.3 < 1, a plain step wins
+    for _ in range(60):
+        policy.observe_cost(1, 1.0)
+        policy.observe_cost(2, 1.3)
+    assert 2.5 < policy.correction.factor < 3.0
+    assert policy.correction.cost(2) > 1.25
+    assert policy._best(a, 0.0) == 0
+    # and blocks as cheap as a step make longer drafts pay. The 8 pseudo-calls at 1 stay against
+    # at most 1 / (1 - 0.97) = 33.3 decayed calls at 0: the factor floors at 8 / 41.3 = 0.19
+    for _ in range(400):
+        policy.observe_cost(1, 1.0)
+        policy.observe_cost(3, 1.0)
+    assert policy.correction.factor == pytest.approx(8 / (8 + 1 / (1 - 0.97)), rel=1e-3)
+    assert policy._best(a, 0.0) >= 2
+
+
+def test_one_interrupted_call_moves_the_cost_factor_only_a_little():
+    policy = AdaptiveDraftLength(CPU_LIKE)
+    policy.observe_cost(1, 1.0)
+    policy.observe_cost(4, 100.0)  # a call that lost the CPU for a while
+    # clipped at MAX_RATIO = 4 against 8 pseudo-calls at 1: (8 + 4) / 9
+    assert policy.correction.factor == pytest.approx(12 / 9)
+
+
+def test_the_decode_loop_times_every_target_call_for_the_policy():
+    class Recording(AdaptiveDraftLength):
+        def __init__(self):
+            super().__init__(CPU_LIKE)
+            self.timed: list[tuple[int, float]] = []
+
+        def observe_cost(self, n_tokens, seconds):
+            self.timed.append((n_tokens, seconds))
+            super().observe_cost(n_tokens, seconds)
+
+    decoder = ReferenceDecoder(ReferenceConfig(vocab_size=16, capacity=256, seed=3))
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
+    policy = Recording()
+    r = speculative_decode_with(decoder, prompt, PromptLookupSpeculator(ngram_size=2), SpeculativeOptions(40),
+                                draft_length=policy)
+    c = r.counters
+    assert len(policy.timed) == c.target_calls
+    assert sum(1 for n, _ in policy.timed if n == 1) == c.forward_token_calls
+    assert sum(n - 1 for n, _ in policy.timed) == c.drafted  # block sizes are the verified drafts + 1
+    assert all(t > 0 for _, t in policy.timed)
+
+
+def test_a_request_unlike_the_last_ones_is_recognised_after_a_few_drafts():
+    model = AcceptanceModel()
+    key = ("prompt_lookup", 3)
+    model.begin_request(sampled=False)
+    for _ in range(200):  # a request whose 3-gram drafts always pass
+        model.update(key, 1, 1)
+    assert model.estimates(key, 1)[0] > 0.95
+    model.begin_request(sampled=False)  # the next request's drafts all fail
+    for _ in range(6):
+        model.update(key, 1, 0)
+    # across requests: ~50 decayed tries, ~44 hits -> (44.3 + 1.8) / (50 + 3) = 0.87; this
+    # request: 0 / 5.7 decayed tries over that estimate with weight 4 -> 0.87 * 4 / 9.7 = 0.36
+    assert model.estimates(key, 1)[0] < 0.4
+    tries, hits = model._arrays(model._global, key)
+    across = (hits[0] + model.prior(key) * 3.0) / (tries[0] + 3.0)
+    assert across > 0.8
+
+
+def test_greedy_and_sampled_requests_learn_apart():
+    model = AcceptanceModel()
+    key = ("prompt_lookup", 2)
+    model.begin_request(sampled=True)
+    for _ in range(100):
+        model.update(key, 2, 0)
+    assert model.estimates(key, 1)[0] < 0.1
+    model.begin_request(sampled=False)
+    np.testing.assert_allclose(model.estimates(key, 2), model.prior(key))  # untouched
+
+
+def test_a_plain_step_reports_the_exact_chance_its_draft_had():
+    from ortspec.runtime.sampling import warp
+
+    class Recording(AdaptiveDraftLength):
+        def __init__(self):
+            # verifying never pays on this curve: every step is plain, every draft unverified
+            super().__init__(CostCurve((1.0, 100.0, 200.0, 300.0)))
+            self.seen: list[tuple[list[int], int, float]] = []
+            self.history = None
+
+        def observe(self, proposed, n_verified, n_accepted, first_token, *, first_accept_prob=None):
+            assert n_verified == 0
+            if len(proposed):
+                assert first_accept_prob is not None
+                self.seen.append((list(self.history), proposed.tokens[0], first_accept_prob))
+            super().observe(proposed, n_verified, n_accepted, first_token, first_accept_prob=first_accept_prob)
+
+    class Lookup(PromptLookupSpeculator):
+        def propose(self, history, max_tokens):
+            policy.history = history  # observe() comes before the step's token is appended
+            return super().propose(history, max_tokens)
+
+    cfg = ReferenceConfig(vocab_size=12, capacity=128, seed=5, logit_scale=2.0)
+    decoder = ReferenceDecoder(cfg)
+    policy = Recording()
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    options = SpeculativeOptions(24, temperature=0.8, seed=2)
+    speculative_decode_with(decoder, prompt, Lookup(ngram_size=1, max_draft_len=3), options, draft_length=policy)
+    assert len(policy.seen) >= 10
+    check = ReferenceDecoder(cfg)
+    for history, draft, chance in policy.seen:
+        check.reset()
+        p = warp(check.forward_batch(history)[-1], temperature=0.8)
+        assert chance == pytest.approx(p[draft], abs=1e-9)
