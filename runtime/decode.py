@@ -224,8 +224,10 @@ def speculative_decode_steps(
     drafts cost model steps also asks the `draft_length` policy's `limit` through
     `use_draft_length`), keep the first `draft_length.choose(block)` of them,
     verify pending + drafts in one call, apply the rule, roll the cache back to what survived.
-    An empty draft is a plain single-token step. The policy sees only the history and the
-    draft, never the target's random draws, so the output distribution is unchanged.
+    An empty draft is a plain single-token step. The policy chooses from the history, the
+    draft and what earlier steps showed (outcomes, timed calls: `begin`, `observe`,
+    `observe_cost` when it has them), never from the random draws of the verify it sizes, so the
+    output distribution is unchanged.
     """
     t_start = time.perf_counter()
     ort_start = _ort_seconds(decoder)

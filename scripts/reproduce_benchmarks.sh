@@ -8,10 +8,10 @@ make setup
 B=".venv/bin/ortspec bench"
 # 1. the full dev split, greedy: plain vs prompt lookup with the cost-model draft length
 $B --per-category 0 --temperature 0 --methods plain,prompt-lookup --out benchmarks/dev-t0
-# 2. fixed draft lengths vs the cost model, greedy and temperature 1 (5 prompts per category)
-$B --per-category 5 --temperature 0 --out benchmarks/draft-length-t0 \
+# 2. fixed draft lengths vs the cost model, greedy and temperature 1 (8 prompts per category)
+$B --per-category 8 --temperature 0 --out benchmarks/draft-length-t0 \
    --methods plain,prompt-lookup,prompt-lookup:k2,prompt-lookup:k4,prompt-lookup:k8
-$B --per-category 5 --temperature 1 --out benchmarks/draft-length-t1 \
+$B --per-category 8 --temperature 1 --out benchmarks/draft-length-t1 \
    --methods plain,prompt-lookup,prompt-lookup:k2,prompt-lookup:k4,prompt-lookup:k8
 # 3. self-speculative draft models (exported beside the target on first use), 3 prompts per category
 .venv/bin/python -c "from ortspec.export import ensure_default_draft; ensure_default_draft('int4')"
