@@ -212,6 +212,7 @@ def run(args: argparse.Namespace) -> dict:
     judged = judged_tokens >= args.min_judged_tokens
     cycles = [s for s in samples if s.request % period == period - 1]  # each cycle's last
     return {
+        "commit": _commit(),
         "model": str(path),
         "mem_pattern": not args.no_mem_pattern,
         "providers": model.decoder.providers,
@@ -260,6 +261,21 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def _commit() -> str | None:
+    """The repository's commit the runtime was loaded from (None outside a git checkout)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "runtime"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    head = out.stdout.strip()
+    return (head + (" with local changes to runtime/" if dirty else "")) if out.returncode == 0 else None
+
+
 def _pairs(items) -> str:
     return ", ".join(f"{k}: {v}" for k, v in items)
 
@@ -279,7 +295,7 @@ def markdown(r: dict, command: str) -> str:
     lines = [
         "# Soak test",
         "",
-        f"`{command}`",
+        f"`{command}`" + (f" (runtime at commit {r['commit']})" if r.get("commit") else ""),
         "",
         f"One loaded model ({r['model']}, {', '.join(r['providers'])}, capacity {r['capacity']}"
         f"{'' if r['mem_pattern'] else ', memory-pattern cache off'}). A cycle of "
