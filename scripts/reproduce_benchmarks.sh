@@ -8,6 +8,8 @@ make setup
 B=".venv/bin/ortspec bench"
 # 1. the full dev split, greedy: plain vs prompt lookup with the cost-model draft length
 $B --per-category 0 --temperature 0 --methods plain,prompt-lookup --out benchmarks/dev-t0
+# 1b. temperature 1: plain vs prompt lookup with the cost model, 16 prompts per category, each twice
+$B --per-category 16 --temperature 1 --repeats 2 --methods plain,prompt-lookup --out benchmarks/dev-t1
 # 2. fixed draft lengths vs the cost model, greedy and temperature 1 (8 prompts per category)
 $B --per-category 8 --temperature 0 --out benchmarks/draft-length-t0 \
    --methods plain,prompt-lookup,prompt-lookup:k2,prompt-lookup:k4,prompt-lookup:k8
