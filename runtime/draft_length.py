@@ -332,11 +332,12 @@ class AdaptiveDraftLength:
     """The cost-model policy: k* = argmax E(k) / (c(k + 1) + k * c_draft)."""
 
     def __init__(self, curve: CostCurve, *, draft_step_seconds: float = 0.0,
-                 acceptance: AcceptanceModel | None = None) -> None:
+                 acceptance: AcceptanceModel | None = None, learn_costs: bool = True) -> None:
         self.curve = curve
         self.draft_step_seconds = draft_step_seconds
         self.acceptance = acceptance or AcceptanceModel()
         self.correction = CostCorrection(curve)
+        self.learn_costs = learn_costs  # False: the curve as calibrated, no timed calls
         self._skipped = 0  # consecutive steps limit() ruled out drafting
         self.chosen: collections.deque[int] = collections.deque(maxlen=4096)  # recent k, for reports
 
@@ -384,7 +385,18 @@ class AdaptiveDraftLength:
 
     def observe_cost(self, n_tokens: int, seconds: float) -> None:
         """The wall time of one target call of `n_tokens` (model call and verification)."""
-        self.correction.observe(n_tokens, seconds)
+        if self.learn_costs:
+            self.correction.observe(n_tokens, seconds)
+
+    def for_seeded_request(self) -> "AdaptiveDraftLength":
+        """A policy for one seeded request: this one's cost curve, draft cost and priors, with
+        nothing learned yet and no timing, so its choices depend on that request alone and the
+        same seed gives the same output (with a shared policy, earlier requests and the
+        machine's speed would change the block sizes, hence which random draws go where)."""
+        return AdaptiveDraftLength(
+            self.curve, draft_step_seconds=self.draft_step_seconds,
+            acceptance=AcceptanceModel(self.acceptance.max_len, model_prior=self.acceptance.model_prior),
+            learn_costs=False)
 
     def observe(self, proposed: DraftBlock, n_verified: int, n_accepted: int, first_token: int,
                 *, first_accept_prob: float | None = None) -> None:

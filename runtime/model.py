@@ -117,6 +117,8 @@ class Model:
                     f"draft_length must be 'auto' (the cost model), None (always verify the whole "
                     f"draft) or a policy object; got {draft_length!r}")
             draft_length = self.draft_length_policy() if drafter is not None else None
+            if draft_length is not None and options.seed is not None and options.temperature > 0:
+                draft_length = draft_length.for_seeded_request()  # the seed fixes the output
         if drafter is None:
             return plain_decode_steps(self.decoder, ids, options)
         return speculative_decode_steps(self.decoder, ids, drafter, options, draft_length=draft_length)
@@ -136,9 +138,10 @@ class Model:
         `options.stop_token_ids` defaults to the model's; `result.text` holds the decoded text.
         `draft_length`: "auto" (default) lets the model's cost-model policy pick how many drafted
         tokens to verify each step (`draft_length_policy()`); None verifies every draft whole;
-        or any object with the `DraftLengthPolicy` methods. Above temperature 0 the policy's
-        choices depend on what it has learned and timed so far, so a seed fixes the output only
-        with `draft_length=None` (the distribution is exact either way).
+        or any object with the `DraftLengthPolicy` methods. The model's policy learns across
+        requests and from timed calls; a request with a seed above temperature 0 gets a copy
+        that learns from that request alone and times nothing, so the same seed gives the same
+        output (the distribution is exact either way).
         """
         ids, options = self._prepare(prompt, options, chat, system)
         result = DecodeStream(self._steps(ids, drafter, options, draft_length)).run()

@@ -144,6 +144,7 @@ def _load(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> dict:
+    commit = _commit()  # the code being loaded now, not whatever is checked out at the end
     path, model = _load(args)
     cap = model.decoder.capacity
     per_category = math.ceil(args.prompts / 6)
@@ -212,7 +213,7 @@ def run(args: argparse.Namespace) -> dict:
     judged = judged_tokens >= args.min_judged_tokens
     cycles = [s for s in samples if s.request % period == period - 1]  # each cycle's last
     return {
-        "commit": _commit(),
+        "commit": commit,
         "model": str(path),
         "mem_pattern": not args.no_mem_pattern,
         "providers": model.decoder.providers,

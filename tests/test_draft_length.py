@@ -192,3 +192,29 @@ def test_a_plain_step_reports_the_exact_chance_its_draft_had():
         check.reset()
         p = warp(check.forward_batch(history)[-1], temperature=0.8)
         assert chance == pytest.approx(p[draft], abs=1e-9)
+
+
+def test_a_seeded_request_gets_a_policy_of_its_own_and_repeats_exactly():
+    cfg = ReferenceConfig(vocab_size=16, capacity=256, seed=7, logit_scale=2.0)
+    decoder = ReferenceDecoder(cfg)
+    shared = AdaptiveDraftLength(CPU_LIKE)
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
+    options = SpeculativeOptions(40, temperature=1.0, seed=11)
+    drafter = lambda: PromptLookupSpeculator(ngram_size=1, max_draft_len=4)  # noqa: E731
+    first = speculative_decode_with(decoder, prompt, drafter(), options, draft_length=shared.for_seeded_request())
+    # the shared policy learns in between (other requests, timings) ...
+    speculative_decode_with(decoder, prompt, drafter(), SpeculativeOptions(40, temperature=1.0, seed=3),
+                            draft_length=shared)
+    for _ in range(50):
+        shared.observe_cost(1, 1.0)
+        shared.observe_cost(3, 5.0)
+    copy = shared.for_seeded_request()
+    assert copy.learn_costs is False and copy.correction.factor == 1.0
+    copy.observe_cost(1, 1.0)
+    copy.observe_cost(3, 5.0)
+    assert copy.correction.factor == 1.0  # timings are ignored
+    # ... and the seeded request still repeats token for token
+    again = speculative_decode_with(decoder, prompt, drafter(), options, draft_length=shared.for_seeded_request())
+    assert again.tokens == first.tokens
+    # while the shared policy itself, having learned, may size blocks differently
+    assert shared.correction.factor > 1.5
