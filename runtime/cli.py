@@ -85,6 +85,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .model import load_model
 
     prompt = _check_generate_args(args)
+    if args.recalibrate and args.fixed_draft_len:
+        raise InvalidOptionError("--recalibrate measures the cost model's curve; it has no use "
+                                 "with --fixed-draft-len")
     options = SpeculativeOptions(
         args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, max_draft_len=args.max_draft_len,
@@ -94,6 +97,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                        threads=args.threads, draft=(args.draft or True) if needs_draft else None)
     drafter = model.make_drafter(args.drafter, ngram_size=args.ngram_size, max_draft_len=args.max_draft_len)
     policy = None if args.fixed_draft_len else "auto"
+    if args.recalibrate:
+        model.draft_length_policy(refresh=True)
     draft_ort0 = model.draft.ort_seconds if model.draft is not None else 0.0
     stream = model.stream(prompt, drafter=drafter, options=options, chat=args.chat, draft_length=policy)
     for piece in stream:
@@ -135,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-draft-len", type=int, default=8)
     g.add_argument("--fixed-draft-len", action="store_true",
                    help="always draft --max-draft-len tokens (no cost model)")
+    g.add_argument("--recalibrate", action="store_true",
+                   help="measure the cost model's cost curve again (a few seconds) and update its cache")
     g.add_argument("--providers", help="comma-separated, e.g. CUDAExecutionProvider,CPUExecutionProvider")
     g.add_argument("--threads", type=int, default=None)
     g.set_defaults(func=cmd_generate)

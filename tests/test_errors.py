@@ -570,3 +570,17 @@ def test_capacity_runs_out_mid_block_on_the_real_model(real_model):
     sampled = m.generate(prompt, options=SpeculativeOptions(64, temperature=0.8, seed=3,
                                                             stop_token_ids=(rare,)))
     assert sampled.finish_reason == "capacity" and len(sampled.tokens) == 11
+
+
+def test_recalibrate_measures_the_curve_again_and_refuses_a_fixed_length(capsys, tmp_path, monkeypatch, tiny_dir):
+    monkeypatch.setenv("ORTSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    argv = ["generate", "--model", str(tiny_dir), "--prompt", "ab", "--max-new-tokens", "2"]
+    assert cli_main(argv) == 0
+    (cached,) = (tmp_path / "cache" / "calibration").glob("*.json")
+    cached.write_text(cached.read_text().replace('"version": 1', '"version": 1, "stale": true'))
+    assert cli_main(argv) == 0
+    assert "stale" in cached.read_text()  # a plain run reads the cache
+    assert cli_main(argv + ["--recalibrate"]) == 0
+    assert "stale" not in cached.read_text()  # --recalibrate wrote a new measurement
+    capsys.readouterr()
+    assert "no use with --fixed-draft-len" in cli_error(capsys, *argv, "--recalibrate", "--fixed-draft-len")
