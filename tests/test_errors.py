@@ -584,3 +584,8 @@ def test_recalibrate_measures_the_curve_again_and_refuses_a_fixed_length(capsys,
     assert "stale" not in cached.read_text()  # --recalibrate wrote a new measurement
     capsys.readouterr()
     assert "no use with --fixed-draft-len" in cli_error(capsys, *argv, "--recalibrate", "--fixed-draft-len")
+
+
+def test_an_unknown_draft_length_string_is_refused(tiny):
+    with pytest.raises(InvalidOptionError, match="draft_length must be 'auto'"):
+        tiny.generate("ab", draft_length="fast")
