@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": machine_description(), "model": str(model.path),
             "manifest_source": model.manifest.source, "config": vars(config), "methods": names,
             "skipped": skipped, "anchors": anchors,
-            "anchor_records": {k: v for k, v in anchor_raw.items()}, "title": title,
+            "anchor_records": anchor_raw, "title": title,
             "providers": list(model.decoder.providers)}
     write_outputs(out, meta, records)
     return 0
@@ -200,6 +200,7 @@ def write_outputs(out: Path, meta: dict[str, Any], records: list[dict[str, Any]]
     names = meta["methods"]
     anchors = meta.get("anchors") or {}
     aggs = report.aggregate(records, methods=names)
+    table = report.markdown_tables(aggs, anchors=anchors)
     machine = meta.get("machine") or {}
     title = meta.get("title") or Path(meta.get("model", "model")).name
     anchor_raw = meta.get("anchor_records") or {}
@@ -208,7 +209,7 @@ def write_outputs(out: Path, meta: dict[str, Any], records: list[dict[str, Any]]
           f"providers {meta.get('providers', ['CPUExecutionProvider'])}. "
           f"Date: {str(meta.get('date', ''))[:10]}.\n\n",
           f"Skipped (prompt + new tokens over the capacity): {len(meta.get('skipped') or [])}.\n",
-          "\n## Speed and acceptance\n\n", report.markdown_tables(aggs, anchors=anchors),
+          "\n## Speed and acceptance\n\n", table,
           "\n## Acceptance by draft position (accepted / drafted at that position)\n\n",
           report.acceptance_table(aggs)]
     if meta.get("reaggregated"):
@@ -223,7 +224,7 @@ def write_outputs(out: Path, meta: dict[str, Any], records: list[dict[str, Any]]
     tmp.replace(out / "results.md")
     report.write_json(out / "results.json", {**meta, "aggregates": aggs, "records": records})
     plots = report.plot(aggs, out, anchors=anchors, title=title)
-    print(report.markdown_tables(aggs, anchors=anchors))
+    print(table)
     print(f"wrote {out / 'results.md'}, {out / 'results.json'}" + "".join(f", {p}" for p in plots), file=sys.stderr)
 
 
@@ -236,18 +237,19 @@ def reaggregate(directory: str) -> int:
         data = json.loads((out / "results.json").read_text(encoding="utf-8"))
         records = data.pop("records")
         data.pop("aggregates", None)
-        data["methods"], data["command"]  # noqa: B018 - required keys
+        missing = [k for k in ("methods", "command") if k not in data]
+        if missing:
+            raise KeyError(", ".join(missing))
     except (OSError, ValueError, KeyError) as e:
         print(f"ortspec bench: error: --reaggregate needs a directory with a results.json written by "
               f"ortspec bench ({out}: {e})", file=sys.stderr)
         return 2
     if "title" not in data:
         config = data.get("config") or {}
-        prompts = len({r["question_id"] for r in records})
         ids = {r["question_id"] for r in records}
         split = "dev" if all(i % 2 == 0 for i in ids) else "heldout" if all(i % 2 for i in ids) else "all"
         data["title"] = (f"{Path(data.get('model', 'model')).name}, {split} split, "
-                         f"T={config.get('temperature', 0.0)}, {prompts} prompts")
+                         f"T={config.get('temperature', 0.0)}, {len(ids)} prompts")
     data["reaggregated"] = dt.date.today().isoformat()
     write_outputs(out, data, records)
     return 0

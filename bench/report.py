@@ -217,7 +217,8 @@ def plot(aggs: list[Aggregate], out_dir: Path, *, anchors: dict[str, dict[str, f
     ax.set_ylabel("accepted / drafted at this position")
     ax.set_ylim(0, 1)
     ax.set_title("Acceptance by draft position")
-    ax.legend(fontsize=7, ncol=2)
+    if ax.get_legend_handles_labels()[0]:  # a run with no drafts has no curve to label
+        ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     p2 = out_dir / "acceptance.png"
     fig.savefig(p2, dpi=110)

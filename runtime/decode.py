@@ -290,13 +290,12 @@ def speculative_decode_steps(
         if observe_cost is not None:
             observe_cost(len(block) + 1, t2 - t0)
         if draft_length is not None:
+            extra = {}
             if exact_unverified and not len(block) and len(proposed) and outcome.p_bonus is not None:
                 # the plain step's own target row says how likely the first draft was to pass
                 d0 = proposed.dists[0]
-                chance = float(np.minimum(outcome.p_bonus[d0.token_ids], d0.probs).sum())
-                draft_length.observe(proposed, 0, 0, outcome.tokens[0], first_accept_prob=chance)
-            else:
-                draft_length.observe(proposed, len(block), outcome.n_accepted, outcome.tokens[0])
+                extra["first_accept_prob"] = float(np.minimum(outcome.p_bonus[d0.token_ids], d0.probs).sum())
+            draft_length.observe(proposed, len(block), outcome.n_accepted, outcome.tokens[0], **extra)
         # emit one by one: a stop token ends the decode even inside an accepted block
         emitted = 0
         for tok in outcome.tokens:

@@ -33,7 +33,7 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -247,12 +247,17 @@ class AcceptanceModel:
         w = self.REQUEST_PRIOR_WEIGHT
         return (r_hits[:k] + across * w) / (r_tries[:k] + w)
 
-    def update(self, key: tuple[str, int], n_verified: int, n_accepted: int) -> None:
-        seen = min(n_accepted + 1, n_verified)  # positions actually tested
+    def _decayed(self, key: tuple[str, int]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Both levels' (tries, hits) for `key`, aged by one observation, to be added to."""
         for table in (self._global, self._request):
             tries, hits = self._arrays(table, key)
             tries *= DECAY
             hits *= DECAY
+            yield tries, hits
+
+    def update(self, key: tuple[str, int], n_verified: int, n_accepted: int) -> None:
+        seen = min(n_accepted + 1, n_verified)  # positions actually tested
+        for tries, hits in self._decayed(key):
             tries[:seen] += 1
             hits[:n_accepted] += 1
 
@@ -261,10 +266,7 @@ class AcceptanceModel:
         would have been accepted, sum_x min(p_target(x), p_draft(x)) for the target row the plain
         step used (p_target of the drafted token for a point mass; 0 or 1 at temperature 0), or
         a 0/1 outcome of it. Without this, a pessimistic estimate would never be revisited."""
-        for table in (self._global, self._request):
-            tries, hits = self._arrays(table, key)
-            tries *= DECAY
-            hits *= DECAY
+        for tries, hits in self._decayed(key):
             tries[0] += 1
             hits[0] += float(would_accept)
 
@@ -323,9 +325,12 @@ class CostCorrection:
         self._observed = self._observed * self.DECAY + ratio
         self._weight = self._weight * self.DECAY + 1.0
 
+    def costs(self, n_max: int) -> np.ndarray:  # [n_max]: c'(1) .. c'(n_max)
+        raw = np.array([self.curve.cost(n) for n in range(1, n_max + 1)])
+        return raw[0] * (1.0 + self.factor * (raw / raw[0] - 1.0))
+
     def cost(self, n: int) -> float:
-        c1 = self.curve.cost(1)
-        return c1 * (1.0 + self.factor * (self.curve.cost(n) / c1 - 1.0))
+        return float(self.costs(n)[-1])
 
 
 class AdaptiveDraftLength:
@@ -356,7 +361,7 @@ class AdaptiveDraftLength:
 
     def _best(self, a: np.ndarray, per_draft: float) -> int:
         e = expected_tokens(a)
-        costs = np.array([self.correction.cost(k + 1) + k * per_draft for k in range(a.size + 1)])
+        costs = self.correction.costs(a.size + 1) + per_draft * np.arange(a.size + 1)  # k = 0..K
         return int(np.argmax(e / costs))
 
     def limit(self, k_max: int) -> int:

@@ -85,7 +85,7 @@ def rss_parts_kib(model_dir: Path) -> tuple[float | None, float | None]:
         in_model = False
         with open("/proc/self/smaps") as f:
             for line in f:
-                head = line.split(maxsplit=6)
+                head = line.split(maxsplit=5)  # a mapping's path may hold spaces
                 if "-" in head[0] and len(head) >= 5 and ":" in head[3]:  # a mapping's header
                     in_model = len(head) >= 6 and head[5].strip().startswith(prefix)
                 elif in_model and head[0] == "Rss:":
