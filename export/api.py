@@ -27,13 +27,14 @@ from tqdm.auto import tqdm
 
 from ortspec.runtime import manifest as mf
 from ortspec.runtime.errors import ExportError, ManifestError
+from ortspec.runtime.validation import check_int
 
 from . import chat
 from .drafts import DRAFT_OF, DRAFT_REVISION, DRAFTS_DIR, DraftOptionError, DraftOptions, \
     build_draft, check_draft_layers, draft_options, register_draft, with_draft_listed
 from .errors import ExportOptionError
-from .graphs import ATTENTIONS, DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, GraphOptions, \
-    build_decoder
+from .graph_spec import ATTENTIONS, DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, GraphOptions
+from .graphs import build_decoder
 from .sources import DEFAULT_RECIPE, Source, identify_source, materialize, models_dir, \
     source_num_layers
 
@@ -56,13 +57,13 @@ DEFAULT_DRAFT_LAYERS = 15  # ensure_default_draft("layers"): half of SmolLM2-135
 
 
 def check_options(*, capacity: int, max_verify_len: int, dtype: str, opset: int,
-                  attention: str = "gqa") -> None:
-    def integer(name: str, value: object, lo: int, hi: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-            raise ExportOptionError(f"{name} must be an integer in {lo}..{hi}, got {value!r}")
+                  attention: str = "gqa") -> tuple[int, int, int]:
+    """Check the graph options; returns (capacity, max_verify_len, opset) as Python ints."""
+    def integer(name: str, value: object, lo: int, hi: int) -> int:
+        return check_int(name, value, minimum=lo, maximum=hi, error=ExportOptionError)
 
-    integer("capacity", capacity, *CAPACITY_RANGE)
-    integer("max_verify_len", max_verify_len, *VERIFY_RANGE)
+    capacity = integer("capacity", capacity, *CAPACITY_RANGE)
+    max_verify_len = integer("max_verify_len", max_verify_len, *VERIFY_RANGE)
     if max_verify_len > capacity:
         raise ExportOptionError(f"max_verify_len ({max_verify_len}) must not exceed capacity "
                                 f"({capacity})")
@@ -71,12 +72,14 @@ def check_options(*, capacity: int, max_verify_len: int, dtype: str, opset: int,
     if attention not in ATTENTIONS:
         raise ExportOptionError(f"attention must be one of {', '.join(ATTENTIONS)}, got "
                                 f"{attention!r}")
-    integer("opset" if attention == "gqa" else f"opset (with {attention} attention)", opset,
-            MIN_OPSET[attention], MAX_OPSET)
+    opset = integer("opset" if attention == "gqa" else f"opset (with {attention} attention)",
+                    opset, MIN_OPSET[attention], MAX_OPSET)
+    return capacity, max_verify_len, opset
 
 
 def default_model_dir(dtype: str = "fp32") -> Path:
-    """Where the default model's export is cached: models/exported/smollm2-135m-instruct-<dtype>."""
+    """Where the default model's export is cached: <models_dir()>/exported/
+    smollm2-135m-instruct-<dtype>."""
     if dtype not in mf.DTYPES:
         raise ExportOptionError(f"dtype must be one of {', '.join(mf.DTYPES)}, got {dtype!r}")
     return models_dir() / "exported" / f"{DEFAULT_RECIPE}-{dtype}"
@@ -148,8 +151,9 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
         options = draft_options(draft_quant, draft_layers)  # before anything else
         if options is None:
             raise ExportOptionError("draft_only needs draft_quant and/or draft_layers")
-    check_options(capacity=capacity, max_verify_len=max_verify_len, dtype=dtype, opset=opset,
-                  attention=attention)
+    capacity, max_verify_len, opset = check_options(
+        capacity=capacity, max_verify_len=max_verify_len, dtype=dtype, opset=opset,
+        attention=attention)
     draft = draft_options(draft_quant, draft_layers, attention=attention)
     src = identify_source(source)
     flavour = "" if attention == "gqa" else f"-{attention}"

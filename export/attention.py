@@ -23,7 +23,8 @@ from onnx import TensorProto
 
 from ortspec.runtime import manifest as mf
 
-from .graphs import MS, GraphBuilder
+from .builder import GraphBuilder
+from .graph_spec import MS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 
 from ortspec.runtime.errors import ExportError
 
-from .graphs import DecoderSpec
+from .graph_spec import DecoderSpec
 from .sources import MODEL_TYPES, SUPPORTED, Source
 
 # rope types whose cos/sin depend only on the position (not on the current sequence length)

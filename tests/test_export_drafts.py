@@ -117,7 +117,7 @@ def test_onnxruntime_multiplies_by_exactly_the_dequantized_weight(bits, scheme):
         inputs.append("zp")
     nodes = [helper.make_node("MatMulNBits", inputs, ["Y0"], domain="com.microsoft", K=k, N=n,
                               bits=bits, block_size=32, accuracy_level=0)]
-    if qw.mins is not None:  # as graphs.py adds the offsets back: blocksum(A) @ offsets.T
+    if qw.mins is not None:  # as builder.py adds the offsets back: blocksum(A) @ offsets.T
         inits += [numpy_helper.from_array(qw.mins.T.copy(), "offsets"),
                   numpy_helper.from_array(np.array([1, -1, k // 32, 32], np.int64), "shape"),
                   numpy_helper.from_array(np.array([-1], np.int64), "axes")]
@@ -188,7 +188,8 @@ def test_int4_graph_with_float_activations_equals_pytorch_with_its_dequantized_w
     """The packing is exact: with accuracy_level 0 (no int8 rounding of the activations) the
     graph's logits are PyTorch's with the dequantized weights swapped in, to float32 rounding
     (the target's own bound against PyTorch, 1e-3)."""
-    from ortspec.export.graphs import GraphOptions, WeightQuant, build_decoder
+    from ortspec.export.graph_spec import GraphOptions, WeightQuant
+    from ortspec.export.graphs import build_decoder
     from ortspec.export.validate import run_graph, validation_prompt
 
     target = mf.read_manifest(_export_plain(checkpoint, tmp_path))
@@ -334,6 +335,14 @@ def test_bad_draft_options_are_refused_before_anything_is_read(bad, tmp_path):
                      **bad)
     assert isinstance(info.value, ValueError)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_draft_layers_may_be_a_numpy_integer_and_is_kept_as_an_int():
+    options = drafts_mod.draft_options("int4", np.int64(8))
+    assert options.layers == 8 and type(options.layers) is int and options.name == "layers8-int4"
+    with pytest.raises(DraftOptionError, match=r"draft_layers must be an integer >= 1 \(and at "
+                                               r"most the model's layer count\), got 0"):
+        drafts_mod.draft_options(None, 0)
 
 
 @pytest.mark.parametrize("layers", [LAYERS + 1, 30, LAYERS])

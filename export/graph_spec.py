@@ -1,0 +1,105 @@
+"""What a decoder graph is made of, apart from its nodes: the model's shape (`DecoderSpec`),
+the graph's options (`GraphOptions`, `WeightQuant` for MatMulNBits drafts), the canonical weight
+names, and the opsets each attention flavour needs.
+
+Plain data (NumPy only, no onnx): the CLI reads its choices from here, and every module that
+builds the graph (builder.py, attention.py, graphs.py) imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ortspec.runtime import manifest as mf
+
+MS = "com.microsoft"  # the domain of onnxruntime's contrib ops
+ATTENTIONS = ("gqa", "standard")
+# gqa: Shape(start=, end=) needs 15, ReduceSum with axes as an input 13.
+# standard: TensorScatter and Attention's nonpad_kv_seqlen need 24.
+MIN_OPSET = {"gqa": 17, "standard": 24}
+MAX_OPSET = 24  # the newest ai.onnx opset checked against onnxruntime 1.32 here
+DEFAULT_OPSET = {"gqa": 21, "standard": 24}
+FAMILIES = ("llama", "qwen2")
+NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+
+# Canonical weight names. {i} is the layer index. Linear weights are [out, in].
+WEIGHT_NAMES = (
+    "embed",  # [vocab, hidden]
+    "norm",  # [hidden], final RMSNorm
+    "lm_head",  # [vocab, hidden]; absent when tied to `embed`
+    "layers.{i}.attn_norm", "layers.{i}.mlp_norm",  # [hidden]
+    "layers.{i}.q", "layers.{i}.k", "layers.{i}.v", "layers.{i}.o",
+    "layers.{i}.q_bias", "layers.{i}.k_bias", "layers.{i}.v_bias", "layers.{i}.o_bias",  # optional
+    "layers.{i}.gate", "layers.{i}.up", "layers.{i}.down",
+    "layers.{i}.gate_bias", "layers.{i}.up_bias", "layers.{i}.down_bias",  # optional
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderSpec:
+    """The numbers that shape the graph; sources.py reads them from the checkpoint's config."""
+
+    family: str  # "llama" or "qwen2"
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    tied_embeddings: bool
+    attention_scale: float  # multiplies q.k; 1/sqrt(head_dim) for every supported family
+
+    def architecture(self) -> mf.Architecture:
+        return mf.Architecture(
+            family=self.family, num_layers=self.num_layers, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            hidden_size=self.hidden_size, vocab_size=self.vocab_size,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightQuant:
+    """Linear weights as `com.microsoft::MatMulNBits` (see quantize.py for the schemes).
+
+    accuracy_level 4 lets the CPU kernel quantize each block of the activations to int8 and
+    use integer dot products: 2-3x faster than 0 (float activations) at one token and the only
+    level faster than float32 MatMul at 8 (measured on this machine's AVX-512 VNNI CPU, 576 x
+    1536); its rounding of the activations is part of the draft's error.
+    """
+
+    bits: int = 4
+    block_size: int = 32
+    scheme: str = "block-min"  # "block-min", "zero-point" or "symmetric"
+    accuracy_level: int = 4  # 0 (unset: float activations) .. 4 (int8 activations)
+    lm_head_bits: int | None = 8  # None keeps the LM head float
+    lm_head_scheme: str = "symmetric"
+
+    @property
+    def embed_shares_head(self) -> bool:
+        """A tied embedding is read from the quantized LM head's bytes (GatherBlockQuantized)
+        when the head is 8-bit symmetric, the one layout both ops share: MatMulNBits' default
+        zero point for 8 bits is 128, as is GatherBlockQuantized's for uint8 data, and its B
+        [N, n_blocks, block_size] is the table [vocab, hidden] row by row."""
+        return self.lm_head_bits == 8 and self.lm_head_scheme == "symmetric"
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphOptions:
+    capacity: int  # rows of the KV buffers and of the cos/sin caches
+    dtype: str  # "fp32" or "fp16": weights, activations and KV; logits are always fp32
+    opset: int = DEFAULT_OPSET["gqa"]
+    attention: str = "gqa"  # "gqa" (ORT contrib ops, the CPU graph) or "standard" (ONNX ops)
+    quant: WeightQuant | None = None  # None: float MatMul weights (the target)
+
+
+def check_opset(attention: str, opset: int) -> None:
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+    lo = MIN_OPSET[attention]
+    if not lo <= opset <= MAX_OPSET:
+        raise ValueError(f"opset {opset} is outside {lo}..{MAX_OPSET} for {attention} attention")
+
