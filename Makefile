@@ -3,6 +3,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# a checkout keeps its downloads and exports in its own models/ (an installed wheel uses the
+# per-user cache directory instead)
+export ORTSPEC_MODELS_DIR ?= $(CURDIR)/models
 
 .PHONY: setup demo test test-fast bench clean-models
 

@@ -1,5 +1,7 @@
 """ortspec.runtime: lossless speculative decoding over ONNX Runtime (NumPy + onnxruntime only)."""
 
+from importlib.metadata import PackageNotFoundError, version as _version
+
 from .counters import DecodeCounters
 from .decode import (
     SpeculativeDecodeResult,
@@ -12,28 +14,39 @@ from .drafters.draft_model import DraftModelDrafter
 from .drafters.prompt_lookup import PromptLookupSpeculator
 from .errors import (
     CapacityError,
+    ConcurrentUseError,
     DrafterError,
     ExportError,
     InvalidDistributionError,
     InvalidOptionError,
     InvalidPromptError,
     ManifestError,
+    ModelBusyError,
     NonFiniteLogitsError,
     OrtspecError,
     ProviderError,
 )
 from .model import Model, load_model
 from .ort_decoder import OrtDecoder
-from .protocols import Decoder, Drafter
+from .protocols import Decoder, DecoderBase, DraftLengthPolicy, Drafter, DrafterBase
 from .providers import resolve_providers
 from .reference_decoder import ReferenceConfig, ReferenceDecoder
+from .sessions import OrtSessions
 from .sampling import DraftBlock, DraftDist, accept_or_resample, sample_from, verify_block, warp
 
+try:
+    __version__ = _version("ortspec")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
+
 __all__ = [
-    "CapacityError", "DecodeCounters", "Model", "OrtDecoder", "load_model", "resolve_providers", "Decoder", "DraftBlock", "DraftDist", "DraftModelDrafter", "Drafter",
-    "DrafterError", "ExportError", "InvalidDistributionError", "InvalidOptionError",
-    "InvalidPromptError", "ManifestError", "NonFiniteLogitsError", "OrtspecError",
+    "CapacityError", "ConcurrentUseError", "DecodeCounters", "Decoder", "DecoderBase",
+    "DraftBlock", "DraftDist", "DraftLengthPolicy", "DraftModelDrafter", "Drafter",
+    "DrafterBase", "DrafterError", "ExportError", "InvalidDistributionError",
+    "InvalidOptionError", "InvalidPromptError", "ManifestError", "Model", "ModelBusyError",
+    "NonFiniteLogitsError", "OrtDecoder", "OrtSessions", "OrtspecError",
     "PromptLookupSpeculator", "ProviderError", "ReferenceConfig", "ReferenceDecoder",
-    "SpeculativeDecodeResult", "SpeculativeOptions", "accept_or_resample", "plain_decode",
-    "sample_from", "speculative_decode", "speculative_decode_with", "verify_block", "warp",
+    "SpeculativeDecodeResult", "SpeculativeOptions", "__version__", "accept_or_resample",
+    "load_model", "plain_decode", "resolve_providers", "sample_from", "speculative_decode",
+    "speculative_decode_with", "verify_block", "warp",
 ]

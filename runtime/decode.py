@@ -11,19 +11,20 @@ the new pending one. Because the last token is never fed, `prompt + new tokens` 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import inspect
+import threading
 import time
-from typing import Callable, Generator, Iterator, Literal, Sequence
+from typing import Generator, Iterator, Literal, Sequence
 
 import numpy as np
 
-from .history import TokenHistory
-from .errors import DrafterError, InvalidOptionError, InvalidPromptError
-from .protocols import Decoder, Drafter
 from .counters import DecodeCounters
-from .draft_length import DraftLengthPolicy
+from .errors import ConcurrentUseError, DrafterError, InvalidOptionError, InvalidPromptError
+from .history import TokenHistory
+from .protocols import Decoder, DraftLengthPolicy, Drafter
 from .sampling import DraftBlock, check_logits, check_sampling_options, sample_from, verify_block, warp
+from .validation import check_int, is_int
 
 FinishReason = Literal["length", "stop", "capacity"]
 
@@ -39,28 +40,23 @@ class SpeculativeOptions:
     max_draft_len: int | None = None  # cap on tokens drafted per verify (None: the drafter's own)
 
     def __post_init__(self) -> None:
-        n = self.max_new_tokens
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise InvalidOptionError(f"max_new_tokens must be an integer >= 1, got {n!r}")
+        object.__setattr__(self, "max_new_tokens", check_int("max_new_tokens", self.max_new_tokens, minimum=1))
         check_sampling_options(self.temperature, self.top_k, self.top_p)
         object.__setattr__(self, "temperature", float(self.temperature))
         if self.top_p is not None:
             object.__setattr__(self, "top_p", float(self.top_p))
         if self.top_k is not None:
             object.__setattr__(self, "top_k", int(self.top_k))
-        s = self.seed
-        if s is not None and (isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0):
-            raise InvalidOptionError(f"seed must be None or an integer >= 0, got {s!r}")
+        object.__setattr__(self, "seed", check_int("seed", self.seed, minimum=0, allow_none=True))
         stops = self.stop_token_ids
         if isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__"):
             raise InvalidOptionError(f"stop_token_ids must be a sequence of token ids, got {stops!r}")
         for t in stops:
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0:
+            if not is_int(t) or t < 0:
                 raise InvalidOptionError(f"stop_token_ids must be integers >= 0, got {t!r} in {stops!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
-        m = self.max_draft_len
-        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 0):
-            raise InvalidOptionError(f"max_draft_len must be None or an integer >= 0, got {m!r}")
+        object.__setattr__(self, "max_draft_len",
+                           check_int("max_draft_len", self.max_draft_len, minimum=0, allow_none=True))
 
 
 @dataclasses.dataclass
@@ -87,7 +83,7 @@ def _check_prompt(decoder: Decoder, prompt: Sequence[int], options: object) -> l
         raise InvalidPromptError("the prompt is empty; at least one token is needed")
     vocab = decoder.vocab_size
     for i, t in enumerate(prompt):
-        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
+        if not is_int(t) or not 0 <= t < vocab:
             raise InvalidPromptError(
                 f"prompt token {i} is {t!r}; token ids must be integers in 0..{vocab - 1}"
             )
@@ -103,13 +99,7 @@ def _prefill(decoder: Decoder, prompt: list[int], counters: DecodeCounters) -> i
     t0 = time.perf_counter()
     decoder.reset()
     if len(prompt) > 1:
-        prefill = getattr(decoder, "prefill", None)  # optional: feed without returning all logits
-        if prefill is not None:
-            prefill(prompt[:-1])
-        else:  # in chunks, so a long prompt never materialises [n, vocab] logits
-            chunk = getattr(decoder, "max_verify_len", None) or 64
-            for lo in range(0, len(prompt) - 1, chunk):
-                decoder.forward_batch(prompt[lo : min(lo + chunk, len(prompt) - 1)])
+        decoder.prefill(prompt[:-1])
     counters.prefill_tokens = len(prompt) - 1
     counters.prefill_seconds = time.perf_counter() - t0
     counters.model_seconds += counters.prefill_seconds
@@ -134,15 +124,32 @@ class DecodeStream:
         return self.result
 
 
-def _accepts_keyword(fn, name: str) -> bool:
+_claims_lock = threading.Lock()
+_claimed: set[int] = set()  # id() of the decoders, drafters and policies a decode holds
+
+
+@contextlib.contextmanager
+def _claim(**objects: object) -> Iterator[None]:
+    """Hold `objects` (a request's decoder, drafter, policy) for one decode: a second decode
+    that reaches for any of them before this one ends is a ConcurrentUseError, never two
+    requests interleaving one KV cache or one drafter's index."""
+    items = {name: obj for name, obj in objects.items() if obj is not None}
+    with _claims_lock:
+        for name, obj in items.items():
+            if id(obj) in _claimed:
+                raise ConcurrentUseError(
+                    f"this {name} ({type(obj).__name__}) is in use by another decode that has "
+                    f"not finished; each concurrent request needs its own (Model.generate and "
+                    f"Model.stream give every request its own decoder, drafter and policy)")
+        ids = {id(obj) for obj in items.values()}
+        if len(ids) < len(items):
+            raise ConcurrentUseError("one object was passed as two of decoder, drafter, policy")
+        _claimed.update(ids)
     try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _ort_seconds(decoder: Decoder) -> float:
-    return float(getattr(decoder, "ort_seconds", 0.0))
+        yield
+    finally:
+        with _claims_lock:
+            _claimed.difference_update(ids)
 
 
 def plain_decode(
@@ -156,9 +163,15 @@ def plain_decode_steps(
     decoder: Decoder, prompt: Sequence[int], options: SpeculativeOptions
 ) -> Generator[list[int], None, SpeculativeDecodeResult]:
     """`plain_decode` as a generator of emitted tokens; returns the result."""
-    t_start = time.perf_counter()
-    ort_start = _ort_seconds(decoder)
     prompt = _check_prompt(decoder, prompt, options)
+    with _claim(decoder=decoder):
+        return (yield from _plain_steps(decoder, prompt, options))
+
+
+def _plain_steps(decoder: Decoder, prompt: list[int], options: SpeculativeOptions
+                 ) -> Generator[list[int], None, SpeculativeDecodeResult]:
+    t_start = time.perf_counter()
+    ort_start = decoder.ort_seconds
     counters = DecodeCounters()
     rng = np.random.default_rng(options.seed)
     stops = frozenset(options.stop_token_ids)
@@ -190,7 +203,7 @@ def plain_decode_steps(
             finish = "stop"
             break
     counters.total_seconds = time.perf_counter() - t_start
-    counters.ort_seconds = _ort_seconds(decoder) - ort_start
+    counters.ort_seconds = decoder.ort_seconds - ort_start
     return SpeculativeDecodeResult(new, finish, counters)
 
 
@@ -219,38 +232,43 @@ def speculative_decode_steps(
 ) -> Generator[list[int], None, SpeculativeDecodeResult]:
     """`speculative_decode_with` as a generator of the tokens each step emits.
 
+    Per request: `drafter.begin(options, draft_length)` and `draft_length.begin(options)`.
     Per step: ask the drafter for up to k tokens (k bounded by `options.max_draft_len`, the
     tokens still wanted, the KV capacity and the decoder's `max_verify_len`; a drafter whose
-    drafts cost model steps also asks the `draft_length` policy's `limit` through
-    `use_draft_length`), keep the first `draft_length.choose(block)` of them,
-    verify pending + drafts in one call, apply the rule, roll the cache back to what survived.
-    An empty draft is a plain single-token step. The policy chooses from the history, the
-    draft and what earlier steps showed (outcomes, timed calls: `begin`, `observe`,
-    `observe_cost` when it has them), never from the random draws of the verify it sizes, so the
-    output distribution is unchanged.
+    drafts cost model steps asks the policy's `limit` itself), keep the first
+    `draft_length.choose(block)` of them, verify pending + drafts in one call, apply the rule,
+    tell the policy the call's wall time (`observe_cost`) and outcome (`observe`), roll the
+    cache back to what survived. An empty draft is a plain single-token step. The policy
+    chooses from the history, the draft and what earlier steps showed, never from the random
+    draws of the verify it sizes, so the output distribution is unchanged.
+
+    The decoder, drafter and policy are held for the whole decode: another decode reaching for
+    one of them meanwhile raises ConcurrentUseError.
     """
-    t_start = time.perf_counter()
-    ort_start = _ort_seconds(decoder)
     prompt = _check_prompt(decoder, prompt, options)
+    if not isinstance(drafter, Drafter):
+        raise DrafterError(
+            f"a drafter needs begin(options, draft_length) and propose(history, max_tokens) "
+            f"methods (subclass ortspec.runtime.DrafterBase for a begin that does nothing); got "
+            f"{type(drafter).__name__}")
+    with _claim(decoder=decoder, drafter=drafter, policy=draft_length):
+        return (yield from _speculative_steps(decoder, prompt, drafter, options, draft_length))
+
+
+def _speculative_steps(decoder: Decoder, prompt: list[int], drafter: Drafter,
+                       options: SpeculativeOptions, draft_length: DraftLengthPolicy | None
+                       ) -> Generator[list[int], None, SpeculativeDecodeResult]:
+    t_start = time.perf_counter()
+    ort_start = decoder.ort_seconds
     counters = DecodeCounters()
     rng = np.random.default_rng(options.seed)
     stops = frozenset(options.stop_token_ids)
     vocab = decoder.vocab_size
-    verify_cap = getattr(decoder, "max_verify_len", None)
-    if not callable(getattr(drafter, "propose", None)):
-        raise DrafterError(f"a drafter needs a propose(history, max_tokens) method; got {type(drafter).__name__}")
+    verify_cap = decoder.max_verify_len
     history = TokenHistory(prompt)  # the drafter sees this list; it only ever grows
-    begin = getattr(drafter, "begin", None)  # optional hook: a new request starts
-    if begin is not None:
-        begin(options)
-    observe_cost = getattr(draft_length, "observe_cost", None)  # policies that learn call costs
-    policy_begin = getattr(draft_length, "begin", None)
-    if policy_begin is not None:
-        policy_begin(options)
-    exact_unverified = draft_length is not None and _accepts_keyword(draft_length.observe, "first_accept_prob")
-    attach = getattr(drafter, "use_draft_length", None)  # drafters that pay per drafted token
-    if attach is not None:
-        attach(draft_length)
+    drafter.begin(options, draft_length)
+    if draft_length is not None:
+        draft_length.begin(options)
     pending = _prefill(decoder, prompt, counters)
     n_new = 0
     finish: FinishReason = "length"
@@ -287,15 +305,15 @@ def speculative_decode_steps(
         counters.model_seconds += t1 - t0
         t2 = time.perf_counter()
         counters.sample_seconds += t2 - t1
-        if observe_cost is not None:
-            observe_cost(len(block) + 1, t2 - t0)
         if draft_length is not None:
-            extra = {}
-            if exact_unverified and not len(block) and len(proposed) and outcome.p_bonus is not None:
+            draft_length.observe_cost(len(block) + 1, t2 - t0)
+            first_accept_prob = None
+            if not len(block) and len(proposed) and outcome.p_bonus is not None:
                 # the plain step's own target row says how likely the first draft was to pass
                 d0 = proposed.dists[0]
-                extra["first_accept_prob"] = float(np.minimum(outcome.p_bonus[d0.token_ids], d0.probs).sum())
-            draft_length.observe(proposed, len(block), outcome.n_accepted, outcome.tokens[0], **extra)
+                first_accept_prob = float(np.minimum(outcome.p_bonus[d0.token_ids], d0.probs).sum())
+            draft_length.observe(proposed, len(block), outcome.n_accepted, outcome.tokens[0],
+                                 first_accept_prob=first_accept_prob)
         # emit one by one: a stop token ends the decode even inside an accepted block
         emitted = 0
         for tok in outcome.tokens:
@@ -319,7 +337,7 @@ def speculative_decode_steps(
         if finish == "stop":
             break
     counters.total_seconds = time.perf_counter() - t_start
-    counters.ort_seconds = _ort_seconds(decoder) - ort_start
+    counters.ort_seconds = decoder.ort_seconds - ort_start
     return SpeculativeDecodeResult(history[len(prompt):], finish, counters)
 
 

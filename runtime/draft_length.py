@@ -12,7 +12,8 @@ the random draws that verify makes, so every emitted token still has the target'
 distribution: the losslessness tests hold with the policy on.
 
 The a_j are learned online per drafter (`DraftBlock.source`) and, for prompt lookup, per match
-length (a 3-gram match is accepted far more often than a 1-gram one), starting from a prior,
+length (a 3-gram match is accepted far more often than a 1-gram one), starting from the prior
+the drafter states (`DraftBlock.prior`),
 apart for greedy and sampled requests, and both across requests and within the current one
 (`AcceptanceModel`). A draft that was not verified still counts: the plain step's target row
 gives the exact chance it would have been accepted.
@@ -22,175 +23,28 @@ an idle model; in use, a verify costs more or less than that relative to a step 
 contexts, other work on the machine, sampling k + 1 rows at a temperature above 0). The policy
 therefore also times every target call (model call plus verification) and learns one factor
 by which the curve's extra cost of a block over a step is off: see `CostCorrection`.
+
+One loaded model serves many requests: `for_request()` gives each its own policy object (its
+within-request counts and exploration state) over the one set of cross-request estimates and
+cost correction, which are guarded by locks. Measuring the curve is `calibration.py`'s job.
 """
+
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import json
-import os
-import platform
-import time
-from pathlib import Path
-from typing import Iterator, Protocol, Sequence
+import threading
+from typing import Iterator
 
 import numpy as np
 
+from .calibration import CostCurve
+from .protocols import DraftLengthPolicy  # noqa: F401 - the protocol this module implements
 from .sampling import DraftBlock
-
-CALIBRATION_VERSION = 1
-
-
-class DraftLengthPolicy(Protocol):
-    def limit(self, k_max: int) -> int: ...  # asked by a drafter that pays per drafted token
-
-    def choose(self, block: DraftBlock) -> int: ...  # after drafting: how many to verify
-
-    def observe(self, proposed: DraftBlock, n_verified: int, n_accepted: int, first_token: int) -> None: ...
-
-    # optional: `begin(options)` when a request starts; `observe_cost(n_tokens, seconds)` after
-    # every target call, with its wall time; `observe(..., first_accept_prob=)` keyword
-
-
-@dataclasses.dataclass(frozen=True)
-class CostCurve:
-    """seconds[n - 1]: the cost of one target call with n new tokens (n = 1: the step graph)."""
-
-    seconds: tuple[float, ...]
-
-    def cost(self, n: int) -> float:
-        if n <= len(self.seconds):
-            return self.seconds[n - 1]
-        # beyond the measured range: extend linearly from the last two points
-        s = self.seconds
-        slope = s[-1] - s[-2] if len(s) > 1 else s[-1]
-        return s[-1] + slope * (n - len(s))
-
-    def relative(self) -> list[float]:
-        return [x / self.seconds[0] for x in self.seconds]
-
-    @classmethod
-    def measure(cls, decoder, *, max_len: int, context: int = 256, repeats: int = 7, seed: int = 0) -> "CostCurve":
-        """Time calls of 1..max_len tokens at a context of `context` tokens, interleaved so the
-        machine's drift hits every length alike; median per length, made non-decreasing."""
-        rng = np.random.default_rng(seed)
-        context = max(1, min(context, decoder.capacity - max_len))
-        prompt = rng.integers(0, decoder.vocab_size, size=context).tolist()
-        decoder.reset()
-        chunk = getattr(decoder, "max_verify_len", None) or 64
-        for lo in range(0, context, chunk):
-            decoder.forward_batch(prompt[lo : lo + chunk])
-        times: list[list[float]] = [[] for _ in range(max_len)]
-        block = rng.integers(0, decoder.vocab_size, size=max_len).tolist()
-        for rep in range(repeats + 1):
-            order = range(1, max_len + 1) if rep % 2 else range(max_len, 0, -1)
-            for n in order:
-                decoder.truncate(context)
-                t0 = time.perf_counter()
-                if n == 1:
-                    decoder.forward_token(block[0])
-                else:
-                    decoder.forward_batch(block[:n])
-                if rep:  # the first round warms up
-                    times[n - 1].append(time.perf_counter() - t0)
-        decoder.reset()
-        med = np.maximum.accumulate([float(np.median(t)) for t in times])
-        return cls(tuple(float(x) for x in med))
-
-
-def step_cost_ratio(a, b, *, context: int = 128, repeats: int = 12, seed: int = 0) -> float:
-    """Median over interleaved pairs of (one step of decoder a) / (one step of decoder b)."""
-    rng = np.random.default_rng(seed)
-    prompt = rng.integers(0, min(a.vocab_size, b.vocab_size), size=context).tolist()
-    for d in (a, b):
-        d.reset()
-        chunk = getattr(d, "max_verify_len", None) or 64
-        for lo in range(0, context, chunk):
-            d.forward_batch(prompt[lo : lo + chunk])
-    ratios = []
-    for rep in range(repeats + 1):
-        t = []
-        for d in (a, b) if rep % 2 else (b, a):
-            d.truncate(context)
-            t0 = time.perf_counter()
-            d.forward_token(prompt[rep % context])
-            t.append(time.perf_counter() - t0)
-        if rep:  # the first pair warms up
-            ratios.append(t[0] / t[1] if rep % 2 else t[1] / t[0])
-    a.reset()
-    b.reset()
-    return float(np.median(ratios))
-
-
-def machine_key(providers: Sequence[str]) -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    key = f"{providers[0] if providers else 'unknown'}-{cpu}-{os.cpu_count()}cpu"
-    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in key)
-
-
-def cache_dir() -> Path:
-    """$ORTSPEC_CACHE_DIR, else ~/.cache/ortspec: calibrations live here, not in the model
-    directory, which a re-export replaces whole."""
-    env = os.environ.get("ORTSPEC_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "ortspec"
-
-
-def _model_key(decoder, model_dir: str | os.PathLike) -> str:
-    manifest = getattr(decoder, "manifest", None)
-    if manifest is not None:
-        graph = manifest.entry_points["verify"].graph
-        digest = manifest.files.get(graph, "")
-        if digest:
-            return f"{Path(model_dir).resolve().name}-{digest[:16]}"
-    return Path(model_dir).resolve().name
-
-
-def calibrated_cost_curve(decoder, model_dir: str | os.PathLike, *, refresh: bool = False) -> CostCurve:
-    """The decoder's cost curve, cached per model graph, provider, machine and thread count under
-    `cache_dir()/calibration/`; measured (a few seconds) when missing or on `refresh`."""
-    providers = list(getattr(decoder, "providers", []) or [])
-    max_len = getattr(decoder, "max_verify_len", None) or 16
-    threads = getattr(decoder, "intra_op_threads", 0) or 0
-    suffix = f"-{threads}threads" if threads else ""
-    path = cache_dir() / "calibration" / f"{_model_key(decoder, model_dir)}-{machine_key(providers)}{suffix}.json"
-    if not refresh:
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            secs = data["seconds"]
-            if data.get("version") == CALIBRATION_VERSION and len(secs) == max_len and all(
-                isinstance(x, float) and x > 0 for x in secs
-            ):
-                return CostCurve(tuple(secs))
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-    curve = CostCurve.measure(decoder, max_len=max_len)
-    payload = json.dumps({"version": CALIBRATION_VERSION, "providers": providers, "model": str(model_dir),
-                          "seconds": list(curve.seconds), "relative": curve.relative()}, indent=1)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(payload, encoding="utf-8")
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only cache only costs a re-measurement next time
-    return curve
-
 
 # -- acceptance ---------------------------------------------------------------------------------
 
-# Prior mean acceptance per draft position, before anything is observed. Prompt lookup by match
-# length: a longer matched n-gram predicts its continuation better.
-PRIOR_LOOKUP = {1: 0.3, 2: 0.45, 3: 0.6}
-PRIOR_MODEL = 0.6
+DEFAULT_PRIOR = 0.6  # mean acceptance per draft position for a key whose drafter states none
 PRIOR_WEIGHT = 3.0  # pseudo-observations behind each prior
 DECAY = 0.98  # per observation of a key: about the last 50 count
 
@@ -201,34 +55,45 @@ class AcceptanceModel:
     Two levels of counts per key, both kept apart for greedy and for sampled requests (a
     point-mass draft is accepted iff it is the argmax at temperature 0, with probability p(x)
     above it: the same drafts fare very differently):
-    - across requests, over a prior (`prior`, PRIOR_WEIGHT);
+    - across requests, over a prior (`prior`, PRIOR_WEIGHT): shared by every `for_request()`
+      view of this model and guarded by its lock;
     - within the current request (from `begin_request`), over the cross-request estimate as its
       prior with REQUEST_PRIOR_WEIGHT, so a request whose drafts fare unlike the last ones (a rag
-      answer after a translation) is recognised after a few drafts.
+      answer after a translation) is recognised after a few drafts: owned by one view.
     Both decay per observation of the key (DECAY), so recent behaviour counts most.
 
-    `model_prior` replaces PRIOR_MODEL for draft models, e.g. with the top-1 agreement the export
-    measured between draft and target (recorded in the draft's manifest)."""
+    The prior of a key is the one its drafter stated on the first block seen of it
+    (`DraftBlock.prior`: prompt lookup's by match length, a draft model's from the top-1
+    agreement its export measured), else DEFAULT_PRIOR."""
 
     REQUEST_PRIOR_WEIGHT = 4.0
 
-    def __init__(self, max_len: int = 64, *, model_prior: float | None = None) -> None:
+    def __init__(self, max_len: int = 64, *, shared: "AcceptanceModel | None" = None) -> None:
         self.max_len = max_len
-        self.model_prior = PRIOR_MODEL if model_prior is None else min(0.99, max(0.01, model_prior))
         self.sampled = False  # the current request samples (temperature > 0)
-        self._global: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # key -> (tries, hits)
+        if shared is None:
+            self._lock = threading.Lock()
+            self._global: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # key -> (tries, hits)
+            self._priors: dict[tuple[str, int], float] = {}
+        else:
+            self._lock, self._global, self._priors = shared._lock, shared._global, shared._priors
         self._request: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+    def for_request(self) -> "AcceptanceModel":
+        """A view for one request: these cross-request counts, within-request counts of its own."""
+        return AcceptanceModel(self.max_len, shared=self)
 
     @staticmethod
     def key(block: DraftBlock) -> tuple[str, int]:
-        if block.source == "prompt_lookup":
-            return ("prompt_lookup", min(max(block.match_len, 1), 3))
-        return (block.source or "draft", 0)
+        return (block.source or "draft", block.match_len)
+
+    def learn_prior(self, key: tuple[str, int], prior: float | None) -> None:
+        if prior is not None and key not in self._priors:
+            with self._lock:
+                self._priors.setdefault(key, min(0.99, max(0.01, float(prior))))
 
     def prior(self, key: tuple[str, int]) -> float:
-        if key[0] == "prompt_lookup":
-            return PRIOR_LOOKUP[key[1]]
-        return self.model_prior
+        return self._priors.get(key, DEFAULT_PRIOR)
 
     def begin_request(self, *, sampled: bool) -> None:
         self.sampled = sampled
@@ -241,14 +106,16 @@ class AcceptanceModel:
         return table[full]
 
     def estimates(self, key: tuple[str, int], k: int) -> np.ndarray:  # [k]
-        tries, hits = self._arrays(self._global, key)
-        across = (hits[:k] + self.prior(key) * PRIOR_WEIGHT) / (tries[:k] + PRIOR_WEIGHT)
+        with self._lock:
+            tries, hits = self._arrays(self._global, key)
+            across = (hits[:k] + self.prior(key) * PRIOR_WEIGHT) / (tries[:k] + PRIOR_WEIGHT)
         r_tries, r_hits = self._arrays(self._request, key)
         w = self.REQUEST_PRIOR_WEIGHT
         return (r_hits[:k] + across * w) / (r_tries[:k] + w)
 
     def _decayed(self, key: tuple[str, int]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Both levels' (tries, hits) for `key`, aged by one observation, to be added to."""
+        """Both levels' (tries, hits) for `key`, aged by one observation, to be added to; the
+        caller holds the lock."""
         for table in (self._global, self._request):
             tries, hits = self._arrays(table, key)
             tries *= DECAY
@@ -257,18 +124,20 @@ class AcceptanceModel:
 
     def update(self, key: tuple[str, int], n_verified: int, n_accepted: int) -> None:
         seen = min(n_accepted + 1, n_verified)  # positions actually tested
-        for tries, hits in self._decayed(key):
-            tries[:seen] += 1
-            hits[:n_accepted] += 1
+        with self._lock:
+            for tries, hits in self._decayed(key):
+                tries[:seen] += 1
+                hits[:n_accepted] += 1
 
     def update_unverified(self, key: tuple[str, int], would_accept: float) -> None:
         """A draft that was not verified (k = 0 chosen) still teaches something: the chance it
         would have been accepted, sum_x min(p_target(x), p_draft(x)) for the target row the plain
         step used (p_target of the drafted token for a point mass; 0 or 1 at temperature 0), or
         a 0/1 outcome of it. Without this, a pessimistic estimate would never be revisited."""
-        for tries, hits in self._decayed(key):
-            tries[0] += 1
-            hits[0] += float(would_accept)
+        with self._lock:
+            for tries, hits in self._decayed(key):
+                tries[0] += 1
+                hits[0] += float(would_accept)
 
 
 def expected_tokens(a: np.ndarray) -> np.ndarray:  # a: [K] -> [K + 1], E(k) for k = 0..K
@@ -304,14 +173,20 @@ class CostCorrection:
         self.step_seconds: float | None = None  # running average of single-step calls
         self._observed = 0.0  # decayed sum of observed excess ratios (weights 1 each)
         self._weight = 0.0  # decayed count of timed blocks
+        self._lock = threading.Lock()  # one correction serves every request of a model
 
     @property
     def factor(self) -> float:
-        return (self.PRIOR_WEIGHT + self._observed) / (self.PRIOR_WEIGHT + self._weight)
+        with self._lock:
+            return (self.PRIOR_WEIGHT + self._observed) / (self.PRIOR_WEIGHT + self._weight)
 
     def observe(self, n_tokens: int, seconds: float) -> None:
         if not (seconds > 0 and n_tokens >= 1):
             return
+        with self._lock:
+            self._observe(n_tokens, seconds)
+
+    def _observe(self, n_tokens: int, seconds: float) -> None:
         if n_tokens == 1:
             prev = self.step_seconds
             self.step_seconds = seconds if prev is None else prev + self.STEP_ALPHA * (seconds - prev)
@@ -334,41 +209,44 @@ class CostCorrection:
 
 
 class AdaptiveDraftLength:
-    """The cost-model policy: k* = argmax E(k) / (c(k + 1) + k * c_draft)."""
+    """The cost-model policy: k* = argmax E(k) / (c(k + 1) + k * c_draft).
+
+    Serves one request at a time (the decode loop claims it); `for_request()` makes another
+    over the same cross-request estimates, cost correction and report of recent choices."""
 
     def __init__(self, curve: CostCurve, *, draft_step_seconds: float = 0.0,
-                 acceptance: AcceptanceModel | None = None, learn_costs: bool = True) -> None:
+                 acceptance: AcceptanceModel | None = None, learn_costs: bool = True,
+                 correction: CostCorrection | None = None,
+                 chosen: "collections.deque[int] | None" = None) -> None:
         self.curve = curve
         self.draft_step_seconds = draft_step_seconds
         self.acceptance = acceptance or AcceptanceModel()
-        self.correction = CostCorrection(curve)
+        self.correction = correction or CostCorrection(curve)
         self.learn_costs = learn_costs  # False: the curve as calibrated, no timed calls
         self._skipped = 0  # consecutive steps limit() ruled out drafting
-        self.chosen: collections.deque[int] = collections.deque(maxlen=4096)  # recent k, for reports
+        # recent k, for reports (deque appends are atomic, so views may share it)
+        self.chosen: collections.deque[int] = chosen if chosen is not None else collections.deque(maxlen=4096)
 
-    @classmethod
-    def for_model(cls, model, *, refresh: bool = False) -> "AdaptiveDraftLength":
-        curve = calibrated_cost_curve(model.decoder, model.path, refresh=refresh)
-        draft_cost = 0.0
-        if getattr(model, "draft", None) is not None:
-            # timings taken at different moments are not comparable on a drifting machine: the
-            # draft's step is measured against the target's, interleaved, and scaled to the curve
-            draft_cost = step_cost_ratio(model.draft, model.decoder) * curve.cost(1)
-            agreement = model.draft.manifest.extra.get("agreement", {}).get("top1")
-            prior = float(agreement) if isinstance(agreement, (int, float)) else None
-            return cls(curve, draft_step_seconds=draft_cost, acceptance=AcceptanceModel(model_prior=prior))
-        return cls(curve)
+    def for_request(self) -> "AdaptiveDraftLength":
+        """A policy for one more request: its own within-request state, this one's shared
+        estimates, correction and report."""
+        return AdaptiveDraftLength(
+            self.curve, draft_step_seconds=self.draft_step_seconds,
+            acceptance=self.acceptance.for_request(), learn_costs=self.learn_costs,
+            correction=self.correction, chosen=self.chosen)
 
     def _best(self, a: np.ndarray, per_draft: float) -> int:
         e = expected_tokens(a)
         costs = self.correction.costs(a.size + 1) + per_draft * np.arange(a.size + 1)  # k = 0..K
         return int(np.argmax(e / costs))
 
-    def limit(self, k_max: int) -> int:
-        """How many tokens a model drafter should draft (it pays `draft_step_seconds` each)."""
+    def limit(self, k_max: int, *, key: tuple[str, int], prior: float | None) -> int:
+        """How many tokens a model drafter should draft (it pays `draft_step_seconds` each);
+        `key` and `prior` are those its blocks will carry."""
         if self.draft_step_seconds <= 0:
             return k_max
-        a = self.acceptance.estimates(("draft_model", 0), k_max)
+        self.acceptance.learn_prior(key, prior)
+        a = self.acceptance.estimates(key, k_max)
         k = self._best(a, self.draft_step_seconds)
         if k == 0:  # keep learning: without drafts the estimate could never recover
             self._skipped += 1
@@ -379,14 +257,16 @@ class AdaptiveDraftLength:
         return k
 
     def choose(self, block: DraftBlock) -> int:
-        a = self.acceptance.estimates(AcceptanceModel.key(block), len(block))
+        key = AcceptanceModel.key(block)
+        self.acceptance.learn_prior(key, block.prior)
+        a = self.acceptance.estimates(key, len(block))
         k = self._best(a, 0.0)  # the drafting is already paid for
         self.chosen.append(k)
         return k
 
     def begin(self, options) -> None:
         """A request starts (called by the decode loop with its SpeculativeOptions)."""
-        self.acceptance.begin_request(sampled=float(getattr(options, "temperature", 0.0)) > 0)
+        self.acceptance.begin_request(sampled=options.temperature > 0)
 
     def observe_cost(self, n_tokens: int, seconds: float) -> None:
         """The wall time of one target call of `n_tokens` (model call and verification)."""
@@ -394,14 +274,13 @@ class AdaptiveDraftLength:
             self.correction.observe(n_tokens, seconds)
 
     def for_seeded_request(self) -> "AdaptiveDraftLength":
-        """A policy for one seeded request: this one's cost curve, draft cost and priors, with
-        nothing learned yet and no timing, so its choices depend on that request alone and the
-        same seed gives the same output (with a shared policy, earlier requests and the
-        machine's speed would change the block sizes, hence which random draws go where)."""
-        return AdaptiveDraftLength(
-            self.curve, draft_step_seconds=self.draft_step_seconds,
-            acceptance=AcceptanceModel(self.acceptance.max_len, model_prior=self.acceptance.model_prior),
-            learn_costs=False)
+        """A policy for one seeded request: this one's cost curve and draft cost, with nothing
+        learned yet and no timing, so its choices depend on that request alone and the same seed
+        gives the same output (with a shared policy, earlier requests and the machine's speed
+        would change the block sizes, hence which random draws go where)."""
+        return AdaptiveDraftLength(self.curve, draft_step_seconds=self.draft_step_seconds,
+                                   acceptance=AcceptanceModel(self.acceptance.max_len),
+                                   learn_costs=False)
 
     def observe(self, proposed: DraftBlock, n_verified: int, n_accepted: int, first_token: int,
                 *, first_accept_prob: float | None = None) -> None:
@@ -409,6 +288,7 @@ class AdaptiveDraftLength:
         With none verified, `first_accept_prob` (when the loop knows it) is the chance the first
         draft would have been accepted; otherwise whether the emitted token equals it."""
         key = AcceptanceModel.key(proposed)
+        self.acceptance.learn_prior(key, proposed.prior)
         if n_verified:
             self.acceptance.update(key, n_verified, n_accepted)
         elif len(proposed):

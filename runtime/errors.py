@@ -46,3 +46,13 @@ class ProviderError(OrtspecError, ValueError):
 
 class ExportError(OrtspecError, RuntimeError):
     """An export was refused (unsupported architecture, bad option) or failed validation."""
+
+
+class ModelBusyError(OrtspecError, RuntimeError):
+    """Every decode slot of a loaded model is taken, and the request was not to wait (or its
+    wait timed out)."""
+
+
+class ConcurrentUseError(OrtspecError, RuntimeError):
+    """One request's state (a decoder, a drafter, a draft-length policy) was used by a second
+    request while the first still held it."""

@@ -1,4 +1,11 @@
-"""`load_model`: a model directory -> decoder + tokenizer + chat format, ready to generate.
+"""`load_model`: a model directory -> shared sessions + tokenizer + chat format, ready to serve.
+
+A `Model` holds what every request shares, read-only: the ONNX Runtime sessions (the weights,
+packed once), the tokenizer, the manifest, and the cost-model policy's cross-request estimates
+(guarded). Each call of `generate` or `stream` takes one request's state from a bounded pool
+(`SlotPool`: KV buffers, bindings and cache length) and makes its own drafter and policy view,
+so calls from several threads, and streams consumed alternately, give exactly what serial calls
+give.
 
     model = load_model("models/exported/smollm2-135m-instruct-fp32")
     result = model.generate("Summarise: ...", chat=True, options=SpeculativeOptions(128))
@@ -11,10 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Generator, Iterator, Sequence
 
 from . import manifest as mf
+from .calibration import CalibrationKey, calibrated_cost_curve, step_cost_ratio
 from .decode import (
     DecodeStream,
     SpeculativeDecodeResult,
@@ -23,22 +32,77 @@ from .decode import (
     speculative_decode_steps,
 )
 from .draft_length import AdaptiveDraftLength
+from .drafters import DRAFTER_NAMES, NEEDS_DRAFT_MODEL
+from .drafters.composite import FallbackDrafter
+from .drafters.draft_model import DraftModelDrafter
 from .drafters.prompt_lookup import PromptLookupSpeculator
 from .errors import InvalidOptionError, InvalidPromptError
 from .ort_decoder import OrtDecoder
-from .protocols import Drafter
+from .protocols import DraftLengthPolicy, Drafter
+from .sessions import OrtSessions
+from .slots import DecodeSlot, SlotPool, WhenBusy
 
-DRAFTER_NAMES = ("prompt-lookup", "none", "draft-model", "prompt-lookup+draft-model")
+DEFAULT_MAX_CONCURRENT = 4  # decode slots a model makes at most unless told otherwise
 
 
-@dataclasses.dataclass
 class Model:
-    decoder: OrtDecoder
-    tokenizer: Any  # tokenizers.Tokenizer
-    manifest: mf.Manifest
-    path: Path
-    draft: OrtDecoder | None = None  # a self-speculative draft exported beside the target
-    _policy: Any = dataclasses.field(default=None, repr=False)  # draft_length_policy()'s, once made
+    """A loaded model: shared sessions and tokenizer, per-request state from `slots`.
+
+    `decoder` and `draft` are decoders of the caller's own (made on first use, outside the
+    pool) for low-level work such as `plain_decode(model.decoder, ...)`; `generate` and
+    `stream` never touch them. Like any decoder, each serves one request at a time.
+    """
+
+    def __init__(self, *, sessions: OrtSessions, tokenizer: Any, manifest: mf.Manifest, path: Path,
+                 draft_sessions: OrtSessions | None = None, max_concurrent: int = DEFAULT_MAX_CONCURRENT,
+                 when_busy: WhenBusy = "wait", busy_timeout: float | None = None) -> None:
+        self.sessions = sessions
+        self.tokenizer = tokenizer  # tokenizers.Tokenizer: encode/decode are read-only
+        self.manifest = manifest
+        self.path = path
+        self.draft_sessions = draft_sessions
+        self.slots = SlotPool(self._new_slot, max_slots=max_concurrent, when_busy=when_busy,
+                              timeout=busy_timeout)
+        self._lock = threading.Lock()  # guards the lazily made policy and own decoders
+        self._policy: AdaptiveDraftLength | None = None
+        self._decoder: OrtDecoder | None = None
+        self._draft: OrtDecoder | None = None
+
+    @property
+    def providers(self) -> list[str]:
+        return self.sessions.providers
+
+    @property
+    def capacity(self) -> int:
+        return self.sessions.capacity
+
+    @property
+    def decoder(self) -> OrtDecoder:
+        """A target decoder of the caller's own, outside the pool."""
+        with self._lock:
+            if self._decoder is None:
+                self._decoder = OrtDecoder.on(self.sessions)
+            return self._decoder
+
+    @property
+    def draft(self) -> OrtDecoder | None:
+        """A draft decoder of the caller's own (None without a draft model)."""
+        if self.draft_sessions is None:
+            return None
+        with self._lock:
+            if self._draft is None:
+                self._draft = OrtDecoder.on(self.draft_sessions)
+            return self._draft
+
+    @property
+    def slot_bytes(self) -> int:
+        """Memory one decode slot takes: KV buffers and logits buffers, target and draft."""
+        return sum(s.kv_bytes_per_decoder + s.logits_bytes_per_decoder
+                   for s in (self.sessions, self.draft_sessions) if s is not None)
+
+    def _new_slot(self) -> DecodeSlot:
+        draft = OrtDecoder.on(self.draft_sessions) if self.draft_sessions is not None else None
+        return DecodeSlot(OrtDecoder.on(self.sessions), draft)
 
     # -- text <-> tokens ------------------------------------------------------------------------
 
@@ -66,27 +130,38 @@ class Model:
 
     # -- generation -----------------------------------------------------------------------------
 
-    def make_drafter(self, name: str = "prompt-lookup", *, ngram_size: int = 3, max_draft_len: int = 8) -> Drafter | None:
-        """A drafter by name: one of DRAFTER_NAMES ("none" gives None: plain decoding)."""
+    def make_drafter(self, name: str = "prompt-lookup", *, ngram_size: int = 3, max_draft_len: int = 8,
+                     draft_decoder: OrtDecoder | None = None) -> Drafter | None:
+        """A drafter by name: one of DRAFTER_NAMES ("none" gives None: plain decoding).
+
+        The draft-model drafters run on `draft_decoder` (default: `self.draft`, the caller's
+        own); `generate` and `stream` make theirs per request on the request's slot."""
+        self._check_drafter_name(name)
         if name == "none":
             return None
+        lookup = PromptLookupSpeculator(ngram_size=ngram_size, max_draft_len=max_draft_len)
         if name == "prompt-lookup":
-            return PromptLookupSpeculator(ngram_size=ngram_size, max_draft_len=max_draft_len)
-        if name in ("draft-model", "prompt-lookup+draft-model"):
-            from .drafters.composite import FallbackDrafter
-            from .drafters.draft_model import DraftModelDrafter
+            return lookup
+        # (the draft's vocabulary was checked against the target's by load_model)
+        model_drafter = DraftModelDrafter(draft_decoder or self.draft, max_draft_len=max_draft_len,
+                                          prior=self._draft_agreement())
+        return model_drafter if name == "draft-model" else FallbackDrafter([lookup, model_drafter])
 
-            if self.draft is None:
-                raise InvalidOptionError(
-                    f"drafter {name!r} needs a draft model: export one with "
-                    f"`ortspec export --draft-quant int4` or `--draft-layers N`, then load_model(path, draft=...)"
-                )
-            model_drafter = DraftModelDrafter(self.draft, max_draft_len=max_draft_len, target=self.decoder)
-            if name == "draft-model":
-                return model_drafter
-            lookup = PromptLookupSpeculator(ngram_size=ngram_size, max_draft_len=max_draft_len)
-            return FallbackDrafter([lookup, model_drafter])
-        raise InvalidOptionError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTER_NAMES)}")
+    def _check_drafter_name(self, name: str) -> None:
+        if name not in DRAFTER_NAMES:
+            raise InvalidOptionError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTER_NAMES)}")
+        if name in NEEDS_DRAFT_MODEL and self.draft_sessions is None:
+            raise InvalidOptionError(
+                f"drafter {name!r} needs a draft model: export one with "
+                f"`ortspec export --draft-quant int4` or `--draft-layers N`, then load_model(path, draft=...)"
+            )
+
+    def _draft_agreement(self) -> float | None:
+        """The top-1 agreement with the target that the draft's export measured, if recorded."""
+        if self.draft_sessions is None:
+            return None
+        agreement = self.draft_sessions.manifest.extra.get("agreement", {}).get("top1")
+        return float(agreement) if isinstance(agreement, (int, float)) else None
 
     def _prepare(self, prompt: str | Sequence[int], options: SpeculativeOptions | None, chat: bool,
                  system: str | None) -> tuple[list[int], SpeculativeOptions]:
@@ -98,30 +173,62 @@ class Model:
         return ids, options
 
     def draft_length_policy(self, *, refresh: bool = False) -> AdaptiveDraftLength:
-        """The cost-model draft-length policy that `generate` and `stream` use by default.
+        """The cost-model draft-length policy whose estimates `generate` and `stream` share.
 
         Made on first use (the cost curve is read from the calibration cache, or measured in a
-        few seconds) and shared by this model's requests, so what it learns about acceptance and
-        call costs carries over, as in a server. `refresh` re-measures the curve."""
-        if self._policy is None or refresh:
-            self._policy = AdaptiveDraftLength.for_model(self, refresh=refresh)
-        return self._policy
+        few seconds on a slot of the pool) and shared by this model's requests, each through a
+        `for_request()` view, so what it learns about acceptance and call costs carries over,
+        as in a server. `refresh` re-measures the curve."""
+        with self._lock:
+            if self._policy is not None and not refresh:
+                return self._policy
+        with self.slots.slot() as slot:  # measured on request state, never a running request's
+            key = CalibrationKey(str(self.path), self.sessions.graph_digest,
+                                 tuple(self.sessions.providers), self.sessions.intra_op_threads)
+            curve = calibrated_cost_curve(slot.decoder, key, refresh=refresh)
+            draft_cost = 0.0
+            if slot.draft is not None:
+                # timings taken at different moments are not comparable on a drifting machine:
+                # the draft's step is measured against the target's, interleaved, and scaled
+                draft_cost = step_cost_ratio(slot.draft, slot.decoder) * curve.cost(1)
+        policy = AdaptiveDraftLength(curve, draft_step_seconds=draft_cost)
+        with self._lock:
+            if self._policy is None or refresh:
+                self._policy = policy
+            return self._policy
+
+    def _request_policy(self, draft_length: Any, options: SpeculativeOptions
+                        ) -> DraftLengthPolicy | None:
+        if draft_length != "auto":
+            return draft_length
+        shared = self.draft_length_policy()
+        if options.seed is not None and options.temperature > 0:
+            return shared.for_seeded_request()  # the seed fixes the output
+        return shared.for_request()
+
+    def _check_request(self, drafter: Any, draft_length: Any) -> None:
+        """What a request can get wrong, checked when it is made, before any decoding."""
+        if isinstance(drafter, str):
+            self._check_drafter_name(drafter)
+        if isinstance(draft_length, str) and draft_length != "auto":
+            raise InvalidOptionError(
+                f"draft_length must be 'auto' (the cost model), None (always verify the whole "
+                f"draft) or a policy object; got {draft_length!r}")
 
     def _steps(self, ids: list[int], drafter: Drafter | str | None, options: SpeculativeOptions,
-               draft_length: Any):
-        if isinstance(drafter, str):
-            drafter = self.make_drafter(drafter)
-        if isinstance(draft_length, str):
-            if draft_length != "auto":
-                raise InvalidOptionError(
-                    f"draft_length must be 'auto' (the cost model), None (always verify the whole "
-                    f"draft) or a policy object; got {draft_length!r}")
-            draft_length = self.draft_length_policy() if drafter is not None else None
-            if draft_length is not None and options.seed is not None and options.temperature > 0:
-                draft_length = draft_length.for_seeded_request()  # the seed fixes the output
-        if drafter is None:
-            return plain_decode_steps(self.decoder, ids, options)
-        return speculative_decode_steps(self.decoder, ids, drafter, options, draft_length=draft_length)
+               draft_length: Any) -> Generator[list[int], None, SpeculativeDecodeResult]:
+        """One request: its policy view, then a slot, then its drafter, then the decode loop.
+        The slot goes back to the pool when the decode ends, fails or is abandoned."""
+        if drafter == "none":
+            drafter = None
+        policy = self._request_policy(draft_length, options) if drafter is not None else None
+        with self.slots.slot() as slot:
+            if isinstance(drafter, str):
+                drafter = self.make_drafter(drafter, draft_decoder=slot.draft)
+            if drafter is None:
+                return (yield from plain_decode_steps(slot.decoder, ids, options))
+            return (yield from speculative_decode_steps(slot.decoder, ids, drafter, options,
+                                                        draft_length=policy))
 
     def generate(
         self,
@@ -133,16 +240,22 @@ class Model:
         system: str | None = None,
         draft_length: Any = "auto",
     ) -> SpeculativeDecodeResult:
-        """Decode `prompt` (text, or token ids) with `drafter` (None: plain decoding).
+        """Decode `prompt` (text, or token ids) with `drafter` (a name from DRAFTER_NAMES, a
+        drafter object, or None: plain decoding).
 
         `options.stop_token_ids` defaults to the model's; `result.text` holds the decoded text.
         `draft_length`: "auto" (default) lets the model's cost-model policy pick how many drafted
         tokens to verify each step (`draft_length_policy()`); None verifies every draft whole;
-        or any object with the `DraftLengthPolicy` methods. The model's policy learns across
-        requests and from timed calls; a request with a seed above temperature 0 gets a copy
-        that learns from that request alone and times nothing, so the same seed gives the same
-        output (the distribution is exact either way).
+        or any `DraftLengthPolicy`. The model's policy learns across requests and from timed
+        calls; a request with a seed above temperature 0 gets a copy that learns from that
+        request alone and times nothing, so the same seed gives the same output (the
+        distribution is exact either way).
+
+        Safe to call from several threads: each call takes a decode slot (waiting or failing
+        with ModelBusyError when all are taken, as `load_model`'s `when_busy` says). A drafter
+        or policy object passed in serves one request at a time.
         """
+        self._check_request(drafter, draft_length)
         ids, options = self._prepare(prompt, options, chat, system)
         result = DecodeStream(self._steps(ids, drafter, options, draft_length)).run()
         result.text = self.decode(result.tokens)
@@ -158,7 +271,9 @@ class Model:
         system: str | None = None,
         draft_length: Any = "auto",
     ) -> "TextStream":
-        """Like `generate`, yielding text as tokens are accepted; `.result` when done."""
+        """Like `generate`, yielding text as tokens are accepted; `.result` when done. The slot
+        is taken at the first iteration and given back when the stream ends or is closed."""
+        self._check_request(drafter, draft_length)
         ids, options = self._prepare(prompt, options, chat, system)
         return TextStream(self, DecodeStream(self._steps(ids, drafter, options, draft_length)))
 
@@ -192,15 +307,6 @@ class TextStream:
             yield self.result.text[shown:]
 
 
-def _no_spin():
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.enable_mem_pattern = False  # as OrtDecoder's default options
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return so
-
-
 def _check_pairing(target: mf.Manifest, draft: mf.Manifest, draft_dir: Path) -> None:
     """A draft must speak the target's tokens: same vocabulary, same tokenizer file."""
     if draft.architecture.vocab_size != target.architecture.vocab_size:
@@ -218,11 +324,18 @@ def load_model(
     providers: Any = None,
     threads: int | None = None,
     draft: str | os.PathLike | bool | None = None,
+    max_concurrent: int = DEFAULT_MAX_CONCURRENT,
+    when_busy: WhenBusy = "wait",
+    busy_timeout: float | None = None,
 ) -> Model:
     """Read and check `path/manifest.json`, open its entry points, load its tokenizer.
 
     `draft`: a draft model directory to pair with the target, or True to take the one the
     target's manifest lists (`extra["drafts"]`, first entry).
+    `max_concurrent`: how many requests decode at once (each holds a slot of KV state, made on
+    first need: `Model.slot_bytes` each, about 114 MiB for the default model in fp32 at
+    capacity 2048). A request beyond that waits for a slot (`when_busy="wait"`, for at most
+    `busy_timeout` seconds if given) or fails at once with ModelBusyError (`"error"`).
     """
     from tokenizers import Tokenizer
 
@@ -244,12 +357,13 @@ def load_model(
             draft_dir = Path(draft)
         draft_manifest = mf.read_manifest(draft_dir)
         _check_pairing(manifest, draft_manifest, draft_dir)
-    # Two sessions in one process: intra-op threads that spin while idle would fight for the
-    # cores (measured: the int4 draft pair ran at 0.87x plain decoding spinning, 1.15x not)
-    decoder = OrtDecoder(root, manifest=manifest, providers=providers, threads=threads,
-                         session_options=_no_spin() if draft else None)
-    draft_decoder = None
+    # two models in one process: their intra-op threads must not spin against each other
+    sessions = OrtSessions(root, manifest=manifest, providers=providers, threads=threads,
+                           allow_spinning=draft_dir is None)
+    draft_sessions = None
     if draft_dir is not None:
-        draft_decoder = OrtDecoder(draft_dir, manifest=draft_manifest, providers=providers,
-                                   threads=threads, session_options=_no_spin())
-    return Model(decoder=decoder, tokenizer=tokenizer, manifest=manifest, path=root, draft=draft_decoder)
+        draft_sessions = OrtSessions(draft_dir, manifest=draft_manifest, providers=providers,
+                                     threads=threads, allow_spinning=False)
+    return Model(sessions=sessions, tokenizer=tokenizer, manifest=manifest, path=root,
+                 draft_sessions=draft_sessions, max_concurrent=max_concurrent, when_busy=when_busy,
+                 busy_timeout=busy_timeout)

@@ -1,4 +1,10 @@
-"""OrtDecoder: an exported model directory behind the `Decoder` protocol.
+"""OrtDecoder: one request's decode state over a model's shared sessions, behind `Decoder`.
+
+The sessions (the weights) are an `OrtSessions`, shared read-only by every decoder made from
+it; a decoder owns its KV buffers, IOBindings, staging arrays and cache length, so decoders on
+one model run concurrently without touching each other's state. One decoder serves one caller
+at a time: a call that finds it busy in another thread raises `ConcurrentUseError` instead of
+corrupting it.
 
 The KV cache is one fixed-capacity OrtValue per layer for keys and one for values
 ([1, kv_heads, capacity, head_dim], allocated once on the provider's device). Each is bound
@@ -20,6 +26,7 @@ Both sets are pre-bound in two IOBindings, so a swap rebinds nothing.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,73 +34,60 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
-from onnxruntime.capi import onnxruntime_pybind11_state as _ort_errors
 
 from . import manifest as mf
-from .errors import CapacityError, InvalidOptionError, InvalidPromptError, ManifestError, \
-    NonFiniteLogitsError
-from .providers import default_kv_mode, kv_device, resolve_providers
-
-PREFILL_CHUNK = 128
-_GRAPH_ERRORS = (_ort_errors.InvalidGraph, _ort_errors.InvalidProtobuf, _ort_errors.NoSuchFile,
-                 _ort_errors.NotImplemented, _ort_errors.InvalidArgument)
-_KV_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
-KV_MODES = ("shared", "ping-pong")  # one buffer set updated in place, or two that alternate
+from .errors import CapacityError, ConcurrentUseError, InvalidOptionError, InvalidPromptError, \
+    ManifestError, NonFiniteLogitsError
+from .sessions import KV_MODES, OrtSessions  # noqa: F401 - KV_MODES re-exported
+from .validation import is_int
 
 
 class OrtDecoder:
     """A target (or draft) model with a KV cache, run by ONNX Runtime.
 
     forward_token uses the `step` entry point, forward_batch the `verify` one (in chunks of
-    at most `verify.max_len` tokens when given more, e.g. for a prompt). `ort_seconds` and
+    at most `prefill_chunk` tokens when given more, e.g. for a prompt). `ort_seconds` and
     `ort_calls` count the time spent inside `run_with_iobinding` and the calls made.
+
+    `OrtDecoder(model_dir, ...)` opens sessions of its own; `OrtDecoder.on(sessions)` makes
+    another decoder over sessions already open.
     """
 
     def __init__(self, model_dir: str | os.PathLike, *, manifest: mf.Manifest | None = None,
                  providers: Any = None, threads: int | None = None,
                  session_options: ort.SessionOptions | None = None, kv_mode: str | None = None):
-        self.model_dir = Path(model_dir)
-        self.manifest = manifest if manifest is not None else mf.read_manifest(self.model_dir)
-        m = self.manifest
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
-                                    or threads < 0):
-            raise InvalidOptionError(f"threads must be an integer >= 0 (0 = onnxruntime's "
-                                     f"default), got {threads!r}")
-        self.vocab_size: int = m.architecture.vocab_size
-        self.capacity: int = m.capacity
-        self.max_verify_len: int = m.entry_points["verify"].max_len
-        if kv_mode is not None and kv_mode not in KV_MODES:
-            raise InvalidOptionError(f"kv_mode must be one of {', '.join(KV_MODES)}, got "
-                                     f"{kv_mode!r}")
-        self.provider_config = resolve_providers(providers, manifest=m, model_dir=self.model_dir)
-        self.kv_mode: str = kv_mode or default_kv_mode(self.provider_config)
-        self._sessions = self._open_sessions(threads, session_options)
-        # intra-op threads the sessions run with (0: onnxruntime's default); part of the key
-        # under which the cost curve is cached, since the relative cost of a block depends on it
-        self.intra_op_threads = next(iter(self._sessions.values())).get_session_options().intra_op_num_threads
-        self.providers: list[str] = self._sessions["step"].get_providers()
+        self._init(OrtSessions(model_dir, manifest=manifest, providers=providers, threads=threads,
+                               session_options=session_options, kv_mode=kv_mode))
+
+    @classmethod
+    def on(cls, sessions: OrtSessions) -> "OrtDecoder":
+        """A decoder with KV buffers of its own over `sessions` (shared, read-only)."""
+        self = cls.__new__(cls)
+        self._init(sessions)
+        return self
+
+    def _init(self, sessions: OrtSessions) -> None:
+        s = self.sessions = sessions
+        self.model_dir: Path = s.model_dir
+        self.manifest: mf.Manifest = s.manifest
+        self.vocab_size: int = s.vocab_size
+        self.capacity: int = s.capacity
+        self.max_verify_len: int = s.max_verify_len
+        self.prefill_chunk: int = s.prefill_chunk
+        self.providers: list[str] = s.providers
+        self.kv_mode: str = s.kv_mode
         self._length = 0
         self.ort_seconds = 0.0  # wall time inside run_with_iobinding
         self.ort_calls = 0
+        self._busy = threading.Lock()  # held while a call runs: one caller at a time
 
-        first = self._sessions["step"]
-        in_types = {i.name: i.type for i in first.get_inputs()}
-        self._kv_dtype = _KV_DTYPES.get(in_types.get(mf.past_key_name(0), ""))
-        if self._kv_dtype is None:
-            raise ManifestError(f"{self.model_dir}: graph input {mf.past_key_name(0)!r} is missing "
-                                f"or not float32/float16")
-        a = m.architecture
-        kv_shape = [1, a.num_kv_heads, m.capacity, a.head_dim]
-        device, device_id = kv_device(self.provider_config)
-        zeros = np.zeros(kv_shape, self._kv_dtype)  # never-read garbage would be harmless too
-        self._kv_names = [(past, present) for i in range(a.num_layers)
-                          for past, present in ((mf.past_key_name(i), mf.present_key_name(i)),
-                                                (mf.past_value_name(i), mf.present_value_name(i)))]
+        device, device_id = s.kv_device
+        zeros = np.zeros(s.kv_shape, s.kv_dtype)  # never-read garbage would be harmless too
         self._kv_sets: list[list[ort.OrtValue]] = []  # [set][layer * 2 + (0 key | 1 value)]
         for _ in range(2 if self.kv_mode == "ping-pong" else 1):
             bufs = []
-            for _ in self._kv_names:
-                buf = ort.OrtValue.ortvalue_from_shape_and_type(kv_shape, self._kv_dtype, device,
+            for _ in s.kv_names:
+                buf = ort.OrtValue.ortvalue_from_shape_and_type(s.kv_shape, s.kv_dtype, device,
                                                                  device_id)
                 buf.update_inplace(zeros)
                 bufs.append(buf)
@@ -101,25 +95,19 @@ class OrtDecoder:
         del zeros
         self._current = 0  # the KV set that holds the cache (ping-pong flips it after each run)
 
-        # a prompt is fed in chunks: longer ones than a verify block where the graph's sequence
-        # dimension is dynamic (not under TensorRT, whose profiles stop at max_verify_len);
-        # 128 tokens amortise the per-call cost for a 25 MB logits buffer
-        self.prefill_chunk: int = self.max_verify_len
-        if "TensorrtExecutionProvider" not in self.providers:
-            self.prefill_chunk = max(self.max_verify_len, min(PREFILL_CHUNK, m.capacity))
-        longest = max(self.prefill_chunk, *(e.max_len for e in m.entry_points.values()))
+        longest = s.longest_call
         self._ids = np.zeros(longest, np.int64)  # [longest] staging for input_ids
-        self._mask = np.ones(m.capacity, np.int64)  # [capacity], sliced to [1, length + S]
-        self._positions = np.arange(m.capacity, dtype=np.int64)  # for graphs with position_ids
+        self._mask = np.ones(s.capacity, np.int64)  # [capacity], sliced to [1, length + S]
+        self._positions = np.arange(s.capacity, dtype=np.int64)  # for graphs with position_ids
         self._logits = np.empty(longest * self.vocab_size, np.float32)  # [longest * vocab]
         self._logit_values: dict[int, ort.OrtValue] = {}  # S -> view of _logits as [1, S, vocab]
         # id(session) -> one IOBinding per current KV set (past = that set, present = the next)
         self._bindings: dict[int, list[_Binding]] = {}
         n_sets = len(self._kv_sets)
-        for session in self._sessions.values():
+        for session in s.by_entry.values():
             if id(session) not in self._bindings:
                 self._bindings[id(session)] = [
-                    _Binding(session, self._kv_names, self._kv_sets[k],
+                    _Binding(session, s.kv_names, self._kv_sets[k],
                              self._kv_sets[(k + 1) % n_sets], self.model_dir)
                     for k in range(n_sets)]
 
@@ -130,50 +118,58 @@ class OrtDecoder:
         return self._length
 
     def reset(self) -> None:
-        self._length = 0
+        with self._owned():
+            self._length = 0
 
     def forward_token(self, token: int) -> np.ndarray:
         """Append one token; its next-token logits, [vocab] float32."""
-        return self._run("step", self._check_tokens([token]))[0]
+        with self._owned():
+            return self._run("step", self._check_tokens([token]))[0]
 
     def forward_batch(self, tokens: Sequence[int]) -> np.ndarray:
         """Append `tokens`; next-token logits after each, [n, vocab] float32."""
-        ids = self._check_tokens(tokens)
-        chunk = self.prefill_chunk
-        if len(ids) <= chunk:
-            return self._run("verify", ids)
-        out = np.empty((len(ids), self.vocab_size), np.float32)  # [n, vocab]
-        start = self._length
-        try:
-            for lo in range(0, len(ids), chunk):
-                out[lo:lo + chunk] = self._run("verify", ids[lo:lo + chunk])
-        except BaseException:
-            self._length = start  # all or nothing
-            raise
-        return out
+        with self._owned():
+            ids = self._check_tokens(tokens)
+            if len(ids) <= self.prefill_chunk:
+                return self._run("verify", ids)
+            out = np.empty((len(ids), self.vocab_size), np.float32)  # [n, vocab]
+            for lo, logits in self._chunks(ids):
+                out[lo:lo + len(logits)] = logits
+            return out
 
     def prefill(self, tokens: Sequence[int]) -> np.ndarray:
         """forward_batch keeping only the last row: [vocab] float32, without an [n, vocab] array."""
-        ids = self._check_tokens(tokens)
-        start = self._length
-        try:
-            for lo in range(0, len(ids), self.prefill_chunk):
-                last = self._run("verify", ids[lo:lo + self.prefill_chunk], copy=False)[-1].copy()
-        except BaseException:
-            self._length = start
-            raise
-        return last
+        with self._owned():
+            last = None
+            for _, logits in self._chunks(self._check_tokens(tokens)):
+                last = logits[-1]
+            return last.copy()
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` tokens of the cache (0 <= length <= self.length). O(1)."""
-        if isinstance(length, bool) or not isinstance(length, (int, np.integer)):
+        if not is_int(length):
             raise InvalidOptionError(f"truncate length must be an integer, got {length!r}")
-        if not 0 <= length <= self._length:
-            raise InvalidOptionError(f"cannot truncate to {length}: the cache holds "
-                                     f"{self._length} tokens (allowed 0..{self._length})")
-        self._length = int(length)
+        with self._owned():
+            if not 0 <= length <= self._length:
+                raise InvalidOptionError(f"cannot truncate to {length}: the cache holds "
+                                         f"{self._length} tokens (allowed 0..{self._length})")
+            self._length = int(length)
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _owned(self) -> "_Owned":
+        return _Owned(self._busy, self)
+
+    def _chunks(self, ids: np.ndarray):
+        """Feed `ids` in calls of at most `prefill_chunk` tokens, yielding (offset, logits view);
+        all or nothing: a failure rolls the cache back to where it started."""
+        start = self._length
+        try:
+            for lo in range(0, len(ids), self.prefill_chunk):
+                yield lo, self._run("verify", ids[lo:lo + self.prefill_chunk], copy=False)
+        except BaseException:
+            self._length = start
+            raise
 
     def _check_tokens(self, tokens: Sequence[int]) -> np.ndarray:
         ids = np.asarray(tokens)
@@ -195,7 +191,7 @@ class OrtDecoder:
     def _run(self, entry: str, ids: np.ndarray, *, copy: bool = True) -> np.ndarray:
         n = ids.size
         total = self._length + n
-        session = self._sessions[entry]
+        session = self.sessions.by_entry[entry]
         binding = self._bindings[id(session)][self._current]
         self._ids[:n] = ids
         binding.bind_step(
@@ -224,68 +220,28 @@ class OrtDecoder:
             self._logit_values[n] = value
         return value
 
-    def _open_sessions(self, threads: int | None,
-                       session_options: ort.SessionOptions | None) -> dict[str, Any]:
-        """One session per distinct graph file; both entry points share it when they can.
-
-        Two graphs get `allow_spinning=0`, so their intra-op pools do not spin against each
-        other. This never calls `set_global_thread_pool_sizes`: once global pools exist,
-        onnxruntime 1.32 refuses every later session in the process that does not set
-        `use_per_session_threads=False` (measured), a side effect a library must not have.
-        When the application has created them, the sessions here join them.
-        """
-        graphs = {name: e.graph for name, e in self.manifest.entry_points.items()}
-        for name, graph in graphs.items():
-            mf.safe_member(self.model_dir, graph, what=f"entry point {name}")
-        several = len(set(graphs.values())) > 1
-        sessions: dict[str, ort.InferenceSession] = {}
-        by_graph: dict[str, ort.InferenceSession] = {}
-        for name, graph in graphs.items():
-            if graph not in by_graph:
-                if session_options is not None:
-                    so = session_options
-                else:
-                    so = ort.SessionOptions()
-                    # onnxruntime keeps a memory plan per input shape (~4.5 KiB each); with a new
-                    # mask length every step that is growth bounded only by the capacity. Off:
-                    # no measurable cost (21.9 vs 21.7 ms a step, 40.9 vs 39.4 ms a verify of 8)
-                    so.enable_mem_pattern = False
-                if threads is not None:
-                    so.intra_op_num_threads = threads
-                if several:
-                    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-                by_graph[graph] = _session(str(self.model_dir / graph), so, self.provider_config)
-            sessions[name] = by_graph[graph]
-        return sessions
-
     def __repr__(self) -> str:
         return (f"OrtDecoder({str(self.model_dir)!r}, length={self._length}, "
                 f"capacity={self.capacity}, providers={self.providers})")
 
 
-_global_pools_seen = False  # set once a session creation showed the process has global pools
+class _Owned:
+    """Holds a decoder's lock for one call; a second caller meanwhile is an error, not a wait:
+    two requests sharing one decoder would interleave their caches."""
 
+    __slots__ = ("_lock", "_decoder")
 
-def _session(path: str, so: ort.SessionOptions, providers: list) -> ort.InferenceSession:
-    """An InferenceSession; a graph onnxruntime refuses is a ManifestError naming the file."""
-    try:
-        return _new_session(path, so, providers)
-    except _GRAPH_ERRORS as e:
-        raise ManifestError(f"onnxruntime cannot load {Path(path).name!r}: "
-                            f"{str(e).strip().splitlines()[0]}") from e
+    def __init__(self, lock: threading.Lock, decoder: OrtDecoder) -> None:
+        self._lock, self._decoder = lock, decoder
 
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            raise ConcurrentUseError(
+                f"{self._decoder!r} is in use by another thread; each request needs a decoder of "
+                f"its own (Model.generate/stream take one from the model's pool)")
 
-def _new_session(path: str, so: ort.SessionOptions, providers: list) -> ort.InferenceSession:
-    global _global_pools_seen
-    if not _global_pools_seen:
-        try:
-            return ort.InferenceSession(path, so, providers=providers)
-        except Exception as e:  # noqa: BLE001 - only the global-thread-pool case is retried
-            if "use_per_session_threads must be false" not in str(e):
-                raise
-            _global_pools_seen = True  # (onnxruntime printed its "EP Error" once)
-    so.use_per_session_threads = False  # the application created global thread pools
-    return ort.InferenceSession(path, so, providers=providers)
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
 
 
 class _Binding:

@@ -14,6 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import CapacityError, InvalidOptionError, InvalidPromptError
+from .protocols import DecoderBase
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +32,7 @@ def _norm(x: np.ndarray) -> np.ndarray:  # RMSNorm without a gain
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6)
 
 
-class ReferenceDecoder:
+class ReferenceDecoder(DecoderBase):
     def __init__(self, config: ReferenceConfig = ReferenceConfig(), *, max_verify_len: int | None = None) -> None:
         c = config
         if c.d_model % c.n_heads:

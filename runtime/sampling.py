@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import DrafterError, InvalidDistributionError, InvalidOptionError, NonFiniteLogitsError
+from .validation import check_int, is_int
 
 PROB_SUM_TOL = 1e-6  # a DraftDist's probabilities must sum to 1 within this
 RESIDUAL_EPS = 1e-12  # a residual with less mass than this is rounding noise: fall back to p_target
@@ -32,10 +33,7 @@ def check_sampling_options(temperature: float, top_k: int | None, top_p: float |
         raise InvalidOptionError(f"temperature must be a number >= 0, got {temperature!r}")
     if not math.isfinite(temperature) or temperature < 0:
         raise InvalidOptionError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if top_k is not None and (
-        isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1
-    ):
-        raise InvalidOptionError(f"top_k must be None or an integer >= 1, got {top_k!r}")
+    check_int("top_k", top_k, minimum=1, allow_none=True)
     if top_p is not None and (
         isinstance(top_p, bool)
         or not isinstance(top_p, (int, float, np.integer, np.floating))
@@ -170,7 +168,7 @@ class DraftDist:
     @classmethod
     def point(cls, token: int) -> "DraftDist":
         """The point mass a model-free drafter (prompt lookup) proposes."""
-        if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
+        if not is_int(token):
             raise InvalidDistributionError(f"a token id must be an integer, got {token!r}")
         token = int(token)
         if token < 0:
@@ -227,12 +225,16 @@ class DraftBlock:
 
     `source` names the drafter that produced it (for counters); `match_len` is the length of the
     n-gram match behind a prompt-lookup draft (0 otherwise), a strong predictor of acceptance.
+    (`source`, `match_len`) is the key under which the draft-length policy learns acceptance;
+    `prior` is the drafter's own guess of the chance each drafted token is accepted, which the
+    policy starts from for a key it has not seen (None: the policy's default).
     """
 
     tokens: tuple[int, ...]
     dists: tuple[DraftDist, ...]
     source: str = ""
     match_len: int = 0
+    prior: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
@@ -256,8 +258,9 @@ class DraftBlock:
         return cls((), ())
 
     @classmethod
-    def points(cls, tokens: Sequence[int], *, source: str = "", match_len: int = 0) -> "DraftBlock":
-        return cls(tuple(tokens), tuple(DraftDist.point(t) for t in tokens), source, match_len)
+    def points(cls, tokens: Sequence[int], *, source: str = "", match_len: int = 0,
+               prior: float | None = None) -> "DraftBlock":
+        return cls(tuple(tokens), tuple(DraftDist.point(t) for t in tokens), source, match_len, prior)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -265,7 +268,7 @@ class DraftBlock:
     def truncated(self, n: int) -> "DraftBlock":
         if n >= len(self.tokens):
             return self
-        return DraftBlock(self.tokens[:n], self.dists[:n], self.source, self.match_len)
+        return dataclasses.replace(self, tokens=self.tokens[:n], dists=self.dists[:n])
 
 
 # -- the rule -----------------------------------------------------------------------------------

@@ -6,10 +6,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ortspec.runtime import DraftBlock, DraftDist
+from ortspec.runtime import DraftBlock, DraftDist, DrafterBase
 
 
-class RandomDrafter:
+class RandomDrafter(DrafterBase):
     """Drafts k tokens, each drawn from a fixed, deliberately skewed q (one per draft position)
     with its own random stream: a legitimate drafter whose q has nothing to do with the target."""
 
@@ -26,7 +26,7 @@ class RandomDrafter:
         return DraftBlock(tuple(toks), tuple(DraftDist.from_probs(q) for q in self.qs[:n]), source="random")
 
 
-class OracleDrafter:
+class OracleDrafter(DrafterBase):
     """Drafts the known continuation of `prompt` (e.g. a greedy decode's output)."""
 
     def __init__(self, prompt: Sequence[int], continuation: Sequence[int], k: int) -> None:
@@ -40,12 +40,12 @@ class OracleDrafter:
         return DraftBlock.points(self.full[n : n + min(self.k, max_tokens)], source="oracle")
 
 
-class EmptyDrafter:
+class EmptyDrafter(DrafterBase):
     def propose(self, history: Sequence[int], max_tokens: int) -> DraftBlock:
         return DraftBlock.empty()
 
 
-class BadDrafter:
+class BadDrafter(DrafterBase):
     """Returns whatever block it was given, regardless of the limit."""
 
     def __init__(self, block: DraftBlock) -> None:

@@ -5,13 +5,8 @@ import pytest
 
 from ortspec.runtime import DraftBlock, PromptLookupSpeculator, ReferenceConfig, ReferenceDecoder, SpeculativeOptions
 from ortspec.runtime import plain_decode, speculative_decode_with
-from ortspec.runtime.draft_length import (
-    AcceptanceModel,
-    AdaptiveDraftLength,
-    CostCurve,
-    calibrated_cost_curve,
-    expected_tokens,
-)
+from ortspec.runtime.calibration import CostCurve, calibrated_cost_curve
+from ortspec.runtime.draft_length import AcceptanceModel, AdaptiveDraftLength, expected_tokens
 
 CPU_LIKE = CostCurve((1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8))  # c(n) = 0.9 + 0.1 n
 

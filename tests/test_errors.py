@@ -21,6 +21,7 @@ from fixtures_drafters import BadDrafter, EmptyDrafter, RandomDrafter
 from helpers_export import write_graph_dir
 
 from ortspec.runtime import (
+    DecoderBase,
     DraftBlock,
     DraftDist,
     DrafterError,
@@ -408,7 +409,7 @@ def test_numpy_floats_are_accepted_as_temperature_and_top_p():
 # -- non-finite logits from a model -------------------------------------------------------------
 
 
-class PoisonedDecoder:
+class PoisonedDecoder(DecoderBase):
     """The reference decoder, except that logits for cache positions >= `at` carry `value`."""
 
     def __init__(self, inner: ReferenceDecoder, at: int, value: float) -> None:

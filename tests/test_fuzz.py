@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from ortspec.runtime import (
     DraftBlock,
     DraftDist,
+    DrafterBase,
     PromptLookupSpeculator,
     ReferenceConfig,
     ReferenceDecoder,
@@ -259,7 +260,7 @@ def test_prompt_lookup_after_the_history_shrinks_or_changes_in_place(history, cu
 # -- the decode loop with random drafters ----------------------------------------------------------
 
 
-class FuzzDrafter:
+class FuzzDrafter(DrafterBase):
     """Blocks of random length (0..max_tokens) of random tokens, each drawn from a random
     distribution (point masses or Dirichlet over a random support), from its own seed."""
 

@@ -103,7 +103,7 @@ def test_kv_buffers_are_updated_in_place(decoder):
     assert np.abs(key0[:, :, :6]).min(axis=-1).max() > 0  # the 6 positions were written
     assert not key0[:, :, 6:].any()  # nothing beyond them
     assert [b.data_ptr() for b in buffers] == ptrs
-    outputs = {o.data_ptr() for o in decoder._bindings[id(decoder._sessions["step"])][0]
+    outputs = {o.data_ptr() for o in decoder._bindings[id(decoder.sessions.by_entry["step"])][0]
                .io.get_outputs()}
     assert set(ptrs) <= outputs  # the present outputs are the very same buffers
 
@@ -167,7 +167,7 @@ def test_two_graph_files_share_the_kv_buffers(tiny, tmp_path, decoder):
         files={**m.files, "verify.onnx": mf.sha256_file(d / "verify.onnx")})
     m.write(d)
     two = OrtDecoder(d)
-    assert two._sessions["step"] is not two._sessions["verify"]
+    assert two.sessions.by_entry["step"] is not two.sessions.by_entry["verify"]
     a = [two.forward_token(t) for t in TOKENS[:3]] + list(two.forward_batch(TOKENS[3:7]))
     b = [decoder.forward_token(t) for t in TOKENS[:3]] + list(decoder.forward_batch(TOKENS[3:7]))
     np.testing.assert_array_equal(np.stack(a), np.stack(b))

@@ -8,11 +8,14 @@ accepted token (`counters.accepted_by_source`).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from ..errors import InvalidOptionError
-from ..protocols import Drafter
+from ..protocols import DraftLengthPolicy, Drafter
 from ..sampling import DraftBlock
+
+if TYPE_CHECKING:
+    from ..decode import SpeculativeOptions
 
 
 class FallbackDrafter:
@@ -21,17 +24,9 @@ class FallbackDrafter:
             raise InvalidOptionError("FallbackDrafter needs at least one drafter")
         self.drafters = list(drafters)
 
-    def begin(self, options: object) -> None:
+    def begin(self, options: "SpeculativeOptions", draft_length: DraftLengthPolicy | None) -> None:
         for d in self.drafters:
-            begin = getattr(d, "begin", None)
-            if begin is not None:
-                begin(options)
-
-    def use_draft_length(self, policy: object) -> None:
-        for d in self.drafters:
-            attach = getattr(d, "use_draft_length", None)
-            if attach is not None:
-                attach(policy)
+            d.begin(options, draft_length)
 
     def propose(self, history: Sequence[int], max_tokens: int) -> DraftBlock:
         for d in self.drafters:

@@ -20,12 +20,14 @@ import numpy as np
 
 from ..errors import InvalidOptionError
 from ..history import TokenHistory
-from ..protocols import Decoder
+from ..protocols import Decoder, DraftLengthPolicy
 from ..sampling import DraftBlock, DraftDist, check_sampling_options, sample_from, warp
+from ..validation import check_int
 
 if TYPE_CHECKING:
     from ..decode import SpeculativeOptions
-    from ..draft_length import DraftLengthPolicy
+
+SOURCE = "draft_model"  # DraftBlock.source of these drafts
 
 
 class DraftModelDrafter:
@@ -33,7 +35,9 @@ class DraftModelDrafter:
 
     `temperature=None` (and top_k / top_p None) follow the request's own sampling options, which
     maximises the chance that q matches the target; set them to fix the draft's sampling.
-    `target`, if given, is checked for the same vocabulary at construction.
+    `target`, if given, is checked for the same vocabulary at construction. `prior` is the
+    chance a drafted token is accepted before anything is learned (e.g. the top-1 agreement the
+    export measured between draft and target); the draft-length policy starts from it.
     """
 
     def __init__(
@@ -46,9 +50,9 @@ class DraftModelDrafter:
         top_p: float | None = None,
         target: Decoder | None = None,
         seed: int | None = None,
+        prior: float | None = None,
     ) -> None:
-        if isinstance(max_draft_len, bool) or not isinstance(max_draft_len, int) or max_draft_len < 0:
-            raise InvalidOptionError(f"max_draft_len must be an integer >= 0, got {max_draft_len!r}")
+        check_int("max_draft_len", max_draft_len, minimum=0)
         check_sampling_options(0.0 if temperature is None else temperature, top_k, top_p)
         if target is not None and target.vocab_size != decoder.vocab_size:
             raise InvalidOptionError(
@@ -64,18 +68,15 @@ class DraftModelDrafter:
         self._confirmed = 0  # history length at the previous call
         self._source: Sequence[int] | None = None  # the history object seen then
         self._source_edits = -1
-        self._policy: "DraftLengthPolicy | None" = None
+        self._policy: DraftLengthPolicy | None = None
+        self.prior = prior
         self.steps = 0  # draft forward calls
         self.seconds = 0.0  # time in the draft model
 
-    def use_draft_length(self, policy: "DraftLengthPolicy | None") -> None:
-        """Called by the decode loop: drafting costs a draft step per token, so the policy's
-        `limit` decides how many are worth drafting before any is drafted."""
-        self._policy = policy
-
-    def begin(self, options: "SpeculativeOptions") -> None:
+    def begin(self, options: "SpeculativeOptions", draft_length: DraftLengthPolicy | None) -> None:
         """Called by the decode loop at the start of a request: adopt its sampling options where
-        none were fixed, reseed from its seed, start from an empty cache."""
+        none were fixed, reseed from its seed, start from an empty cache, and ask `draft_length`
+        (its `limit`) how many tokens are worth drafting, since each costs a draft step."""
         t, k, p = self._fixed
         self.temperature = options.temperature if t is None else t
         self.top_k = options.top_k if k is None and t is None else k
@@ -85,6 +86,7 @@ class DraftModelDrafter:
             self._rng = np.random.default_rng([options.seed, 1])
         self._fed = []
         self._confirmed = 0
+        self._policy = draft_length
         self.decoder.reset()
 
     def _sync(self, history: Sequence[int]) -> np.ndarray:  # -> [vocab] logits after history
@@ -110,14 +112,14 @@ class DraftModelDrafter:
         self.steps += 1
         fed.extend(new)
         self._confirmed = len(history)
-        self._source, self._source_edits = history, getattr(history, "edits", -1)
+        self._source, self._source_edits = history, history.edits if isinstance(history, TokenHistory) else -1
         return logits
 
     def propose(self, history: Sequence[int], max_tokens: int) -> DraftBlock:
         # the cache will hold the history and all drafts but the last
         k = min(self.max_draft_len, max_tokens, self.decoder.capacity - len(history) + 1)
         if self._policy is not None and k > 0:
-            k = max(0, min(k, int(self._policy.limit(k))))
+            k = max(0, min(k, int(self._policy.limit(k, key=(SOURCE, 0), prior=self.prior))))
         if k <= 0 or not history:
             return DraftBlock.empty()
         t0 = time.perf_counter()
@@ -139,4 +141,4 @@ class DraftModelDrafter:
                 self.steps += 1
                 self._fed.append(tok)
         self.seconds += time.perf_counter() - t0
-        return DraftBlock(tuple(tokens), tuple(dists), source="draft_model")
+        return DraftBlock(tuple(tokens), tuple(dists), source=SOURCE, prior=self.prior)

@@ -21,9 +21,15 @@ from typing import Literal, Sequence
 
 from ..errors import InvalidOptionError
 from ..history import TokenHistory
+from ..protocols import DraftLengthPolicy
 from ..sampling import DraftBlock
+from ..validation import check_int
 
 Prefer = Literal["recent", "first"]
+SOURCE = "prompt_lookup"  # DraftBlock.source of these drafts
+# The prior chance that a drafted token is accepted, by the length of the match behind it (a
+# longer matched n-gram predicts its continuation better); the draft-length policy starts here.
+PRIOR_BY_MATCH_LEN = {1: 0.3, 2: 0.45, 3: 0.6}
 
 
 class NgramIndex:
@@ -75,15 +81,13 @@ class PromptLookupSpeculator:
         *,
         prefer: Prefer = "recent",
     ) -> None:
-        for name, v in (("ngram_size", ngram_size), ("min_ngram_size", min_ngram_size)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise InvalidOptionError(f"{name} must be an integer >= 1, got {v!r}")
+        check_int("ngram_size", ngram_size, minimum=1)
+        check_int("min_ngram_size", min_ngram_size, minimum=1)
         if min_ngram_size > ngram_size:
             raise InvalidOptionError(
                 f"min_ngram_size ({min_ngram_size}) must be <= ngram_size ({ngram_size})"
             )
-        if isinstance(max_draft_len, bool) or not isinstance(max_draft_len, int) or max_draft_len < 0:
-            raise InvalidOptionError(f"max_draft_len must be an integer >= 0, got {max_draft_len!r}")
+        check_int("max_draft_len", max_draft_len, minimum=0)
         if prefer not in ("recent", "first"):
             raise InvalidOptionError(f"prefer must be 'recent' or 'first', got {prefer!r}")
         self.ngram_size = ngram_size
@@ -94,7 +98,7 @@ class PromptLookupSpeculator:
         self._source: Sequence[int] | None = None  # the history object last seen
         self._source_edits = -1  # its edit count then, if it is a TokenHistory
 
-    def begin(self, options: object) -> None:
+    def begin(self, options: object, draft_length: DraftLengthPolicy | None = None) -> None:
         """A new request: forget the previous history."""
         self.reset()
 
@@ -120,7 +124,7 @@ class PromptLookupSpeculator:
             self.reset()
             idx, n_old = self._index, 0
         self._source = history
-        self._source_edits = getattr(history, "edits", -1)
+        self._source_edits = history.edits if isinstance(history, TokenHistory) else -1
         if len(history) > n_old:
             idx.extend(history[n_old:])
 
@@ -133,4 +137,5 @@ class PromptLookupSpeculator:
         if start < 0:
             return DraftBlock.empty()
         toks = self._index.tokens
-        return DraftBlock.points(toks[start : start + limit], source="prompt_lookup", match_len=n)
+        prior = PRIOR_BY_MATCH_LEN[min(n, max(PRIOR_BY_MATCH_LEN))]
+        return DraftBlock.points(toks[start : start + limit], source=SOURCE, match_len=n, prior=prior)

@@ -1,0 +1,149 @@
+"""The measured cost of a target call by block length, and its cache.
+
+`CostCurve.measure` times calls of 1..max_len tokens on a decoder; `calibrated_cost_curve`
+reads it from `cache_root()/calibration/` or measures and stores it, keyed by what changes it:
+the model's graph, the provider, the machine's CPU and the intra-op thread count
+(`CalibrationKey`). The draft-length policy (`draft_length.py`) only consumes the curve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .machine import cpu_model
+from .paths import cache_root
+from .protocols import Decoder
+
+CALIBRATION_VERSION = 1
+CALIBRATION_CONTEXT = 256  # tokens in the cache while a curve is measured
+
+
+@dataclasses.dataclass(frozen=True)
+class CostCurve:
+    """seconds[n - 1]: the cost of one target call with n new tokens (n = 1: the step graph)."""
+
+    seconds: tuple[float, ...]
+
+    def cost(self, n: int) -> float:
+        if n <= len(self.seconds):
+            return self.seconds[n - 1]
+        # beyond the measured range: extend linearly from the last two points
+        s = self.seconds
+        slope = s[-1] - s[-2] if len(s) > 1 else s[-1]
+        return s[-1] + slope * (n - len(s))
+
+    def relative(self) -> list[float]:
+        return [x / self.seconds[0] for x in self.seconds]
+
+    @classmethod
+    def measure(cls, decoder: Decoder, *, max_len: int, context: int = CALIBRATION_CONTEXT,
+                repeats: int = 7, seed: int = 0) -> "CostCurve":
+        """Time calls of 1..max_len tokens at a context of `context` tokens, interleaved so the
+        machine's drift hits every length alike; median per length, made non-decreasing."""
+        rng = np.random.default_rng(seed)
+        context = max(1, min(context, decoder.capacity - max_len))
+        prompt = rng.integers(0, decoder.vocab_size, size=context).tolist()
+        decoder.reset()
+        decoder.prefill(prompt)
+        times: list[list[float]] = [[] for _ in range(max_len)]
+        block = rng.integers(0, decoder.vocab_size, size=max_len).tolist()
+        for rep in range(repeats + 1):
+            order = range(1, max_len + 1) if rep % 2 else range(max_len, 0, -1)
+            for n in order:
+                decoder.truncate(context)
+                t0 = time.perf_counter()
+                if n == 1:
+                    decoder.forward_token(block[0])
+                else:
+                    decoder.forward_batch(block[:n])
+                if rep:  # the first round warms up
+                    times[n - 1].append(time.perf_counter() - t0)
+        decoder.reset()
+        med = np.maximum.accumulate([float(np.median(t)) for t in times])
+        return cls(tuple(float(x) for x in med))
+
+
+def step_cost_ratio(a: Decoder, b: Decoder, *, context: int = 128, repeats: int = 12,
+                    seed: int = 0) -> float:
+    """Median over interleaved pairs of (one step of decoder a) / (one step of decoder b)."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, min(a.vocab_size, b.vocab_size), size=context).tolist()
+    for d in (a, b):
+        d.reset()
+        d.prefill(prompt)
+    ratios = []
+    for rep in range(repeats + 1):
+        t = []
+        for d in (a, b) if rep % 2 else (b, a):
+            d.truncate(context)
+            t0 = time.perf_counter()
+            d.forward_token(prompt[rep % context])
+            t.append(time.perf_counter() - t0)
+        if rep:  # the first pair warms up
+            ratios.append(t[0] / t[1] if rep % 2 else t[1] / t[0])
+    a.reset()
+    b.reset()
+    return float(np.median(ratios))
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationKey:
+    """What a cost curve depends on, besides the code: the model's graph (its directory name
+    and checksum), the provider, the machine and the intra-op threads (0: onnxruntime's
+    default)."""
+
+    model_dir: str
+    graph_digest: str = ""
+    providers: tuple[str, ...] = ()
+    threads: int = 0
+
+    def file_name(self) -> str:
+        name = Path(self.model_dir).resolve().name
+        model = f"{name}-{self.graph_digest[:16]}" if self.graph_digest else name
+        suffix = f"-{self.threads}threads" if self.threads else ""
+        return f"{model}-{machine_key(self.providers)}{suffix}.json"
+
+
+def machine_key(providers: Sequence[str]) -> str:
+    key = f"{providers[0] if providers else 'unknown'}-{cpu_model()}-{os.cpu_count()}cpu"
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in key)
+
+
+def calibrated_cost_curve(decoder: Decoder, key: CalibrationKey | str | os.PathLike, *,
+                          refresh: bool = False) -> CostCurve:
+    """The decoder's cost curve over 1..decoder.max_verify_len tokens (16 if it states none),
+    cached under `paths.cache_root()/calibration/` by `key` (a model directory alone is a key too);
+    measured (a few seconds) when missing or on `refresh`."""
+    if not isinstance(key, CalibrationKey):
+        key = CalibrationKey(str(key))
+    max_len = decoder.max_verify_len or 16
+    path = cache_root() / "calibration" / key.file_name()
+    if not refresh:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            secs = data["seconds"]
+            if data.get("version") == CALIBRATION_VERSION and len(secs) == max_len and all(
+                isinstance(x, float) and x > 0 for x in secs
+            ):
+                return CostCurve(tuple(secs))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    curve = CostCurve.measure(decoder, max_len=max_len)
+    payload = json.dumps({"version": CALIBRATION_VERSION, "providers": list(key.providers),
+                          "model": key.model_dir, "seconds": list(curve.seconds),
+                          "relative": curve.relative()}, indent=1)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(payload, encoding="utf-8")
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache only costs a re-measurement next time
+    return curve
