@@ -1,20 +1,10 @@
 """The export's last gate: run the written graph through `OrtDecoder` and compare logits.
 
 Two comparisons on a fixed prompt, both as max |difference| over every position and token:
-
-- verify vs step: the verify entry point run over the prompt in blocks of max_verify_len (so
-  every block after the first has a past), against the step entry point called token by token.
-  The two differ only in how ORT batches the arithmetic.
-- verify vs PyTorch: the same logits against one forward pass of the checkpoint in float32.
-
-Each bound is max(absolute, relative x the largest |logit| of the reference):
-
-- fp32, verify vs step: 1e-4, or 4e-6 of the logit scale (about 32 float32 ulps) for models
-  whose logits are large: SmolLM2-135M's reach 38, and 30 layers of differently batched
-  float32 sums put the standard-ops graph at 1.02e-4 (the GQA graph at 7.5e-5).
-- fp32, vs PyTorch: 1e-3 (SmolLM2-135M measures 1.0e-4).
-- fp16 rounds weights, activations and KV to half precision: 1% of the logit scale between
-  the entry points and 2% against float32 PyTorch (SmolLM2-135M measures 0.2% and 0.4%).
+verify vs step (the verify entry point in blocks of max_verify_len against the step entry point
+token by token) and verify vs PyTorch (the same logits against one forward pass of the
+checkpoint in float32). The bounds, and the reasons for them, are `ortspec.runtime.tolerances`
+(`TOLERANCES`, re-exported here): `ortspec check` applies the same verify-vs-step bound.
 """
 
 from __future__ import annotations
@@ -28,33 +18,14 @@ import numpy as np
 from ortspec.runtime import manifest as mf
 from ortspec.runtime.errors import ExportError
 from ortspec.runtime.ort_decoder import OrtDecoder
+from ortspec.runtime.tolerances import (  # noqa: F401 - Bound re-exported
+    TOLERANCES, Bound, Tolerances, comparison_length)
 
 if TYPE_CHECKING:  # torch is imported only when an export really runs
     from .checkpoint import Checkpoint
 
 VALIDATION_TEXT = ("The quick brown fox jumps over the lazy dog. Speculative decoding drafts "
                    "several tokens and verifies them in one forward pass.")
-
-
-@dataclasses.dataclass(frozen=True)
-class Bound:
-    absolute: float
-    relative: float = 0.0  # times the largest |logit| of the PyTorch reference
-
-    def at(self, scale: float) -> float:
-        return max(self.absolute, self.relative * scale)
-
-
-@dataclasses.dataclass(frozen=True)
-class Tolerances:
-    step_vs_verify: Bound
-    vs_pytorch: Bound
-
-
-TOLERANCES = {
-    "fp32": Tolerances(step_vs_verify=Bound(1e-4, 4e-6), vs_pytorch=Bound(1e-3)),
-    "fp16": Tolerances(step_vs_verify=Bound(0.0, 1e-2), vs_pytorch=Bound(0.0, 2e-2)),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +45,7 @@ class ValidationReport:
 def validation_prompt(checkpoint: Checkpoint, *, capacity: int, max_verify_len: int) -> np.ndarray:
     """Token ids [n] of a fixed text, repeated or cut so that n = min(capacity,
     max(48, 2 * max_verify_len + 5)): at least two full verify blocks and a partial one."""
-    n = min(capacity, max(48, 2 * max_verify_len + 5))
+    n = comparison_length(capacity, max_verify_len)
     ids = list(checkpoint.tokenizer(VALIDATION_TEXT, add_special_tokens=True)["input_ids"])
     if not ids:
         ids = [0]

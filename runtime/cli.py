@@ -14,24 +14,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from .cli_args import UserErrorParser, add_model_options, model_arg, providers_arg
+from .drafters import DRAFTER_NAMES, NEEDS_DRAFT_MODEL
 from .errors import InvalidOptionError, InvalidPromptError, OrtspecError
-from .paths import default_model_path, models_dir  # noqa: F401 - models_dir re-exported
-
-
-def _model_arg(value: str | None) -> Path:
-    if value:
-        return Path(value)
-    path = default_model_path()
-    if not (path / "manifest.json").is_file():
-        raise OrtspecError(
-            f"no --model given and the default model is not exported yet ({path}); "
-            f"run `ortspec export` first"
-        )
-    return path
-
-
-def _providers_arg(value: str | None) -> list[str] | None:
-    return [p.strip() for p in value.split(",") if p.strip()] if value else None
+from .paths import default_model_path, models_dir  # noqa: F401 - re-exported
+from .validation import check_int
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -40,13 +27,6 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
-
-
-class UserErrorParser(argparse.ArgumentParser):
-    """argparse, with a bad value reported like every other user error: one line, status 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise OrtspecError(f"{message} (see `{self.prog} -h`)")
 
 
 def _check_generate_args(args: argparse.Namespace) -> str:
@@ -58,16 +38,16 @@ def _check_generate_args(args: argparse.Namespace) -> str:
         raise OrtspecError("give --prompt TEXT or --prompt-file PATH")
     if args.prompt is not None and args.prompt_file is not None:
         raise OrtspecError("give --prompt TEXT or --prompt-file PATH, not both")
-    if args.seed is not None and args.seed < 0:
-        raise InvalidOptionError(f"--seed must be an integer >= 0, got {args.seed}")
-    if args.threads is not None and args.threads < 0:
-        raise InvalidOptionError(f"--threads must be an integer >= 0 (0 = onnxruntime's "
-                                 f"default), got {args.threads}")
-    if args.draft is not None and "draft-model" not in args.drafter:
-        raise InvalidOptionError(f"--draft is used only with --drafter draft-model or "
-                                 f"prompt-lookup+draft-model, not {args.drafter!r}")
+    if args.seed is not None:
+        check_int("--seed", args.seed, minimum=0)
+    if args.threads is not None:
+        check_int("--threads", args.threads, minimum=0, what=" (0 = onnxruntime's default)")
+    if args.draft is not None and args.drafter not in NEEDS_DRAFT_MODEL:
+        with_draft = " or ".join(n for n in DRAFTER_NAMES if n in NEEDS_DRAFT_MODEL)
+        raise InvalidOptionError(f"--draft is used only with --drafter {with_draft}, "
+                                 f"not {args.drafter!r}")
     PromptLookupSpeculator(ngram_size=args.ngram_size, max_draft_len=args.max_draft_len)
-    resolve_providers(_providers_arg(args.providers))  # names not offered here fail now
+    resolve_providers(providers_arg(args.providers))  # names not offered here fail now
     if args.prompt_file is None:
         return args.prompt
     try:
@@ -92,8 +72,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, max_draft_len=args.max_draft_len,
     )
-    needs_draft = "draft-model" in args.drafter
-    model = load_model(_model_arg(args.model), providers=_providers_arg(args.providers),
+    needs_draft = args.drafter in NEEDS_DRAFT_MODEL
+    model = load_model(model_arg(args.model), providers=providers_arg(args.providers),
                        threads=args.threads, draft=(args.draft or True) if needs_draft else None)
     drafter = model.make_drafter(args.drafter, ngram_size=args.ngram_size, max_draft_len=args.max_draft_len)
     policy = None if args.fixed_draft_len else "auto"
@@ -128,13 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("export", help="checkpoint -> ONNX model directory (run `ortspec export -h`)", add_help=False)
 
     g = sub.add_parser("generate", help="decode a prompt, streaming the text")
-    g.add_argument("--model", help="model directory (default: the exported default model)")
+    add_model_options(g)
     g.add_argument("--prompt")
     g.add_argument("--prompt-file")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     _add_sampling(g)
-    g.add_argument("--drafter", default="prompt-lookup",
-                   choices=["prompt-lookup", "none", "draft-model", "prompt-lookup+draft-model"])
+    g.add_argument("--drafter", default="prompt-lookup", choices=DRAFTER_NAMES)
     g.add_argument("--draft", help="draft model directory (default: the one the manifest lists)")
     g.add_argument("--ngram-size", type=int, default=3)
     g.add_argument("--max-draft-len", type=int, default=8)
@@ -142,8 +121,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="always draft --max-draft-len tokens (no cost model)")
     g.add_argument("--recalibrate", action="store_true",
                    help="measure the cost model's cost curve again (a few seconds) and update its cache")
-    g.add_argument("--providers", help="comma-separated, e.g. CUDAExecutionProvider,CPUExecutionProvider")
-    g.add_argument("--threads", type=int, default=None)
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="latency benchmark on Spec-Bench (run `ortspec bench -h`)", add_help=False)
@@ -168,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return bench_main(argv[1:])
         if argv and argv[0] == "check":
-            from .check import main as check_main
+            from .check_cli import main as check_main
 
             return check_main(argv[1:])
         args = build_parser().parse_args(argv)

@@ -8,7 +8,8 @@ A model directory holds everything the runtime needs and nothing it executes:
 
 The export writes the manifest with `Manifest.to_json`; the runtime reads it with
 `read_manifest`, which checks types and ranges and that every file it names stays inside the
-directory and matches its recorded sha256. Graph inputs and outputs follow fixed names:
+directory and matches its recorded sha256. Graph inputs and outputs follow fixed names
+(`ortspec.runtime.graph_io`, re-exported here):
 
     input_ids                  int64  [1, S]
     attention_mask             int64  [1, past + S]   ones; its row sum is the valid length
@@ -28,6 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ManifestError
+from .graph_io import (  # noqa: F401 - the schema's I/O names, re-exported
+    ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS, past_key_name, past_value_name,
+    present_key_name, present_value_name)
 from .onnx_guard import check_graph
 
 FORMAT_NAME = "ortspec-model"
@@ -35,27 +39,6 @@ FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 DTYPES = ("fp32", "fp16")
 ENTRY_POINTS = ("step", "verify")
-
-INPUT_IDS = "input_ids"
-ATTENTION_MASK = "attention_mask"
-POSITION_IDS = "position_ids"
-LOGITS = "logits"
-
-
-def past_key_name(layer: int) -> str:
-    return f"past_key_values.{layer}.key"
-
-
-def past_value_name(layer: int) -> str:
-    return f"past_key_values.{layer}.value"
-
-
-def present_key_name(layer: int) -> str:
-    return f"present.{layer}.key"
-
-
-def present_value_name(layer: int) -> str:
-    return f"present.{layer}.value"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,6 +305,6 @@ def read_manifest(directory: str | os.PathLike, *, verify_checksums: bool = True
             raise ManifestError(f"{name!r} does not match its sha256 in the manifest (corrupted?)")
     for name in sorted({e.graph for e in m.entry_points.values()}):
         # what the graph would make onnxruntime open: inside, listed, and the I/O expected
-        check_graph(d, name, m)
+        check_graph(d, name, files=m.files, num_layers=m.architecture.num_layers)
     return m
 

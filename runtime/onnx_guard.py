@@ -40,12 +40,10 @@ import dataclasses
 import mmap
 import posixpath
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterable, Iterator
 
 from .errors import ManifestError
-
-if TYPE_CHECKING:
-    from .manifest import Manifest
+from .graph_io import decoder_io
 
 # onnxruntime reads a tensor whose location is this marker from the memory address in its
 # `offset` (meant for models built in memory): from a file it would read arbitrary memory
@@ -323,29 +321,18 @@ def check_reference(directory: Path, graph_name: str, ref: FileReference,
     return rel
 
 
-def expected_io(manifest: "Manifest") -> tuple[set[str], set[str], set[str]]:
-    """(required inputs, optional inputs, required outputs) of a decoder graph."""
-    from . import manifest as mf
-
-    n = manifest.architecture.num_layers
-    inputs = {mf.INPUT_IDS, mf.ATTENTION_MASK}
-    outputs = {mf.LOGITS}
-    for i in range(n):
-        inputs |= {mf.past_key_name(i), mf.past_value_name(i)}
-        outputs |= {mf.present_key_name(i), mf.present_value_name(i)}
-    return inputs, {mf.POSITION_IDS}, outputs
-
-
-def check_graph(directory: str | Path, graph_name: str, manifest: "Manifest") -> GraphSummary:
-    """Refuse a graph file whose external data leaves the directory or is unchecked, or whose
-    inputs and outputs are not the decoder's. `graph_name` is relative to `directory` and has
-    already passed `manifest.safe_member`."""
+def check_graph(directory: str | Path, graph_name: str, *, files: Iterable[str],
+                num_layers: int) -> GraphSummary:
+    """Refuse a graph file whose external data leaves the directory or is not among `files`
+    (the manifest's checksummed names), or whose inputs and outputs are not those of a decoder
+    of `num_layers` layers. `graph_name` is relative to `directory` and has already passed
+    `manifest.safe_member`."""
     directory = Path(directory)
     summary = read_graph_summary(directory / graph_name)
-    listed = {posixpath.normpath(k.replace("\\", "/")) for k in manifest.files}
+    listed = {posixpath.normpath(k.replace("\\", "/")) for k in files}
     for ref in summary.references:
         check_reference(directory, graph_name, ref, listed)
-    required_in, optional_in, required_out = expected_io(manifest)
+    required_in, optional_in, required_out = decoder_io(num_layers)
     inputs, outputs = set(summary.inputs), set(summary.outputs)
     missing = sorted((required_in - inputs) | (required_out - outputs))
     unexpected = sorted(inputs - required_in - optional_in)
@@ -353,7 +340,7 @@ def check_graph(directory: str | Path, graph_name: str, manifest: "Manifest") ->
         shown = ", ".join(missing[:6]) + (" ..." if len(missing) > 6 else "")
         raise ManifestError(
             f"{graph_name!r}: graph I/O does not match the manifest "
-            f"({manifest.architecture.num_layers} layers): missing [{shown}], "
+            f"({num_layers} layers): missing [{shown}], "
             f"unexpected inputs {unexpected[:6]}"
         )
     return summary

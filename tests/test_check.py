@@ -10,8 +10,9 @@ import pytest
 from helpers_export import make_tiny_llama
 from scipy import special, stats
 
-from ortspec.runtime import check
-from ortspec.runtime.check import (chi2_sf, chi_squared_test, regularized_gamma_q, run_checks)
+from ortspec.runtime import check, check_cli
+from ortspec.runtime.check import run_checks
+from ortspec.runtime.stats import chi2_sf, chi_squared_test, regularized_gamma_q
 from ortspec.runtime.model import load_model
 from ortspec.runtime.sampling import sample_from
 
@@ -95,7 +96,7 @@ def tiny(tiny_dir):
 
 
 def test_check_passes_on_a_validated_tiny_export(tiny_dir, capsys):
-    rc = check.main(["--model", str(tiny_dir), "--draws", "4000"])
+    rc = check_cli.main(["--model", str(tiny_dir), "--draws", "4000"])
     out, err = capsys.readouterr()
     assert rc == 0, out + err
     assert "11/11 checks passed" in out
@@ -154,7 +155,7 @@ def test_the_table_names_every_check(tiny):
 
 
 def _one_line_error(capsys, argv) -> str:
-    rc = check.main(argv)
+    rc = check_cli.main(argv)
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("ortspec: error: "), (rc, out, err)
@@ -189,7 +190,7 @@ def test_check_passes_on_the_default_model(capsys):
     prompts, six chi-squared tests at N = 20,000 (about 40 s on 2 CPU cores)."""
     export = pytest.importorskip("ortspec.export", reason="the export extra makes the default model")
     path = export.ensure_default_model(progress=False)
-    rc = check.main(["--model", str(path)])
+    rc = check_cli.main(["--model", str(path)])
     out, err = capsys.readouterr()
     print(out)
     assert rc == 0, out + err
