@@ -21,48 +21,47 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ortspec.runtime.cli_args import UserErrorParser, add_model_options, model_arg, providers_arg
 from ortspec.runtime.decode import SpeculativeOptions
 from ortspec.runtime.errors import InvalidOptionError, OrtspecError
+from ortspec.runtime.machine import cpu_model
+from ortspec.runtime.validation import check_int
 
 from . import report
-from .runner import BenchConfig, Method, run_pairs
+from .runner import SPECULATIVE, BenchConfig, Method, run_pairs
 from .workload import CATEGORIES, SPLITS, BenchPrompt, interleave_categories, load_questions
 
 ANCHORS = ("genai", "genai-int4", "hf")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="ortspec bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="model directory (default: the exported default model)")
+    ap = UserErrorParser(prog="ortspec bench", description=__doc__,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_options(ap)  # --model, --providers, --threads
     ap.add_argument("--draft", help="draft model directory for the draft-model methods")
-    ap.add_argument("--questions", help="Spec-Bench question.jsonl (default: shared/data/spec_bench)")
+    ap.add_argument("--questions", help="a Spec-Bench question.jsonl (default: the one packaged with ortspec)")
     ap.add_argument("--split", default="dev", choices=SPLITS)
     ap.add_argument("--per-category", type=int, default=2, help="prompts per category; 0 = all")
-    ap.add_argument("--categories", help=f"comma-separated subset of {','.join(CATEGORIES)}")
+    ap.add_argument("--categories", help=f"comma-separated subset of {','.join(CATEGORIES)}, or of "
+                                         "Spec-Bench's own categories (writing, coding, ...)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--repeats", type=int, default=1, help="A B then B A ... per prompt")
     ap.add_argument("--methods", default="plain,prompt-lookup",
-                    help="comma-separated: plain first, then e.g. prompt-lookup, prompt-lookup:k4, "
-                         "draft-model, prompt-lookup+draft-model")
+                    help="comma-separated: plain first, then any of " + ", ".join(SPECULATIVE)
+                         + ", each optionally with :kN for a fixed draft length (e.g. prompt-lookup:k4)")
     ap.add_argument("--ngram-size", type=int, default=3)
     ap.add_argument("--max-draft-len", type=int, default=8)
     ap.add_argument("--anchors", default="", help=f"comma-separated subset of {','.join(ANCHORS)}")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--providers", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/tmp/latest", help="output directory")
     ap.add_argument("--reaggregate", metavar="DIR", default=None,
                     help="rewrite DIR's results.md/json and plots from its results.json with this "
                          "version's aggregation (no decoding)")
     args = ap.parse_args(argv)
-    if args.per_category < 0:
-        raise InvalidOptionError(f"--per-category must be >= 0, got {args.per_category}")
-    if args.max_new_tokens < 1:
-        raise InvalidOptionError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.repeats < 1:
-        raise InvalidOptionError(f"--repeats must be >= 1, got {args.repeats}")
+    check_int("--per-category", args.per_category, minimum=0)
+    check_int("--max-new-tokens", args.max_new_tokens, minimum=1)
+    check_int("--repeats", args.repeats, minimum=1)
     if not (args.temperature >= 0):
         raise InvalidOptionError(f"--temperature must be >= 0, got {args.temperature}")
     for a in filter(None, args.anchors.split(",")):
@@ -74,30 +73,21 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def machine_description() -> dict[str, Any]:
     import onnxruntime as ort
 
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
     mem = None
     try:
         with open("/proc/meminfo", encoding="utf-8") as f:
             mem = next((ln.split()[1] for ln in f if ln.startswith("MemTotal")), None)
     except OSError:
         pass
-    return {"cpu": cpu, "cpu_count": os.cpu_count(), "mem_kib": mem, "python": platform.python_version(),
+    return {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "mem_kib": mem, "python": platform.python_version(),
             "onnxruntime": ort.__version__, "platform": platform.platform()}
 
 
 def _anchor_speedups(names: list[str], prompts: list[BenchPrompt], model, config: BenchConfig,
                      threads: int | None) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
     """Per-category n-gram speedup of each anchor over its own plain decoding."""
-    repo = Path(__file__).resolve().parents[1]
-    if str(repo) not in sys.path:
-        sys.path.insert(0, str(repo))
     try:
-        from benchmarks import anchors as A
+        A = _import_anchors()
     except ImportError as e:
         return {}, {n: f"unavailable: benchmarks/anchors not importable ({e})" for n in names}
     chat = model.manifest.chat_format
@@ -124,6 +114,21 @@ def _anchor_speedups(names: list[str], prompts: list[BenchPrompt], model, config
     return out, raw
 
 
+def _import_anchors():
+    """`benchmarks.anchors`, which lives in the source tree, not in the installed package: taken
+    from sys.path, else from the current directory when that is the source tree's root."""
+    import importlib
+
+    try:
+        return importlib.import_module("benchmarks.anchors")
+    except ImportError:
+        cwd = Path.cwd()
+        if not (cwd / "benchmarks" / "anchors" / "__init__.py").is_file():
+            raise ImportError("run `ortspec bench --anchors` from the root of an ortspec source tree") from None
+    sys.path.insert(0, str(cwd))
+    return importlib.import_module("benchmarks.anchors")
+
+
 def _ratio_by_category(runs: list[dict[str, Any]]) -> dict[str, float]:
     sums: dict[tuple[str, str], list[float]] = {}
     for r in runs:
@@ -141,7 +146,6 @@ def _ratio_by_category(runs: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ortspec.runtime.cli import _model_arg, _providers_arg
     from ortspec.runtime.model import load_model
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -156,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts = interleave_categories(load_questions(
             args.questions, split=args.split, per_category=args.per_category or None, categories=cats))
         needs_draft = any("draft-model" in m.drafter for m in methods)
-        model = load_model(_model_arg(args.model), providers=_providers_arg(args.providers),
+        model_dir = model_arg(args.model)
+        model = load_model(model_dir, providers=providers_arg(args.providers),
                            threads=args.threads, draft=(args.draft or True) if needs_draft else None)
     except OrtspecError as e:
         print(f"ortspec bench: error: {e}", file=sys.stderr)
@@ -184,9 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     anchor_names = [a for a in args.anchors.split(",") if a]
     anchors, anchor_raw = _anchor_speedups(anchor_names, prompts, model, config, args.threads) if anchor_names else ({}, {})
     command = "ortspec bench " + " ".join(shlex.quote(a) for a in argv)
-    title = f"{model.path.name}, {args.split} split, T={args.temperature}, {len(prompts)} prompts"
+    title = f"{model_dir.name}, {args.split} split, T={args.temperature}, {len(prompts)} prompts"
     meta = {"command": command, "date": dt.datetime.now().isoformat(timespec="seconds"),
-            "machine": machine_description(), "model": str(model.path),
+            "machine": machine_description(), "model": str(model_dir),
             "manifest_source": model.manifest.source, "config": vars(config), "methods": names,
             "skipped": skipped, "anchors": anchors,
             "anchor_records": anchor_raw, "title": title,

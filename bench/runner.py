@@ -12,12 +12,14 @@ import re
 from typing import Any, Callable, Iterable
 
 from ortspec.runtime.decode import SpeculativeOptions
-from ortspec.runtime.draft_length import AdaptiveDraftLength
+from ortspec.runtime.drafters import DRAFTER_NAMES
 from ortspec.runtime.errors import InvalidOptionError
+from ortspec.runtime.validation import check_int
 
 from .workload import BenchPrompt
 
-DRAFTERS = ("none", "prompt-lookup", "draft-model", "prompt-lookup+draft-model")
+DRAFTERS = DRAFTER_NAMES  # "none" is the plain method
+SPECULATIVE = tuple(d for d in DRAFTERS if d != "none")  # the drafters a method may name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,14 +37,13 @@ class Method:
         if spec == "plain":
             return cls("plain", "none")
         m = re.fullmatch(r"([a-z+-]+)(?::k(\d+))?", spec)
-        if not m or m.group(1) not in DRAFTERS[1:]:
+        if not m or m.group(1) not in SPECULATIVE:
             raise InvalidOptionError(
-                f"unknown method {spec!r}; use plain, or one of {DRAFTERS[1:]} optionally "
+                f"unknown method {spec!r}; use plain, or one of {SPECULATIVE} optionally "
                 f"followed by :kN for a fixed draft length (e.g. prompt-lookup:k4)"
             )
         k = int(m.group(2)) if m.group(2) else None
-        if k is not None and not 1 <= k <= 64:
-            raise InvalidOptionError(f"fixed draft length must be in 1..64, got {k}")
+        k = check_int("fixed draft length", k, minimum=1, maximum=64, allow_none=True)
         return cls(spec, m.group(1), k)
 
 
@@ -98,10 +99,12 @@ def run_pairs(
     says whether its tokens equal the plain decode's of the same prompt and repeat."""
     if not methods or methods[0].name != "plain":
         raise InvalidOptionError("the first method must be 'plain': every speedup is relative to it")
-    policies: dict[str, AdaptiveDraftLength | None] = {}
-    for m in methods:
-        policies[m.name] = AdaptiveDraftLength.for_model(model) if m.drafter != "none" and m.fixed_k is None else None
-    capacity = model.decoder.capacity
+    # the cost-model methods share the model's own policy, as a server's requests do: its
+    # acceptance estimates are kept per draft source, its cost correction is the machine's
+    auto = any(m.drafter != "none" and m.fixed_k is None for m in methods)
+    policy = model.draft_length_policy() if auto else None
+    policies = {m.name: policy if m.drafter != "none" and m.fixed_k is None else None for m in methods}
+    capacity = model.manifest.capacity
     records: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     for i, prompt in enumerate(prompts):

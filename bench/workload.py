@@ -3,18 +3,28 @@
 Categories: the eight MT-bench ones (writing, roleplay, reasoning, math, coding, extraction,
 stem, humanities) are reported together as "multi-turn"; then translation, summarization, qa,
 math_reasoning and rag. `split="dev"` keeps even question ids (for tuning), `"heldout"` the odd
-ones (for confirming only).
+ones (for confirming only), `"all"` both.
+
+The question file ships inside the package (`data/spec_bench/question.jsonl`, read through
+`importlib.resources`); any other file in the same format can be passed as `path`. This is the
+one loader of that file: the benchmark, the anchors and the scripts all sample through it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import json
 import os
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING, Iterable
 
 from ortspec.runtime.errors import InvalidOptionError
+from ortspec.runtime.validation import check_int
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 CATEGORIES = ("multi-turn", "translation", "summarization", "qa", "math_reasoning", "rag")
@@ -24,18 +34,33 @@ SPLITS = ("dev", "heldout", "all")
 @dataclasses.dataclass(frozen=True)
 class BenchPrompt:
     question_id: int
-    category: str  # one of CATEGORIES
+    category: str  # one of CATEGORIES (or the file's own category, for one that is none of them)
     subcategory: str  # Spec-Bench's own category
     text: str  # the first turn, before the chat template
 
 
-def default_questions_path() -> Path:
-    """$ORTSPEC_SPEC_BENCH, else shared/data/spec_bench/question.jsonl beside the repository."""
-    env = os.environ.get("ORTSPEC_SPEC_BENCH")
-    if env:
-        return Path(env)
-    repo = Path(__file__).resolve().parents[1]
-    return repo.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+def default_questions_path() -> Traversable:
+    """The Spec-Bench question file packaged with `ortspec.bench`."""
+    return importlib.resources.files("ortspec.bench") / "data" / "spec_bench" / "question.jsonl"
+
+
+def _read(source: Path | Traversable) -> list[dict]:
+    if not source.is_file():
+        raise InvalidOptionError(f"Spec-Bench questions not found at {source}")
+    with source.open("r", encoding="utf-8") as f:
+        rows = []
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                q = json.loads(line)
+                rows.append({"question_id": int(q["question_id"]), "category": str(q["category"]),
+                             "text": q["turns"][0]})
+            except (ValueError, KeyError, IndexError, TypeError) as e:
+                raise InvalidOptionError(
+                    f"{source}, line {n}: not a Spec-Bench question (question_id, category, turns): {e}"
+                ) from None
+    return rows
 
 
 def load_questions(
@@ -43,37 +68,39 @@ def load_questions(
     *,
     split: str = "dev",
     per_category: int | None = None,
-    categories: tuple[str, ...] | None = None,
+    categories: Iterable[str] | None = None,
 ) -> list[BenchPrompt]:
-    """Prompts in a stable order. With `per_category`, multi-turn takes its questions round-robin
-    over the eight MT-bench subcategories so a small sample still covers them."""
+    """Prompts in a stable order: category by category (CATEGORIES first, then any other category
+    the file has, in order of appearance). With `per_category`, a category takes its first n
+    questions round-robin over its Spec-Bench subcategories, so a small multi-turn sample still
+    covers the eight MT-bench ones. `categories` keeps those named, by reported category
+    ("multi-turn") or Spec-Bench's own ("writing"). `path` None: the packaged file."""
     if split not in SPLITS:
         raise InvalidOptionError(f"split must be one of {SPLITS}, got {split!r}")
-    if per_category is not None and per_category < 1:
-        raise InvalidOptionError(f"per_category must be >= 1, got {per_category}")
+    per_category = check_int("per_category", per_category, minimum=1, allow_none=True)
+    wanted = None
     if categories is not None:
-        unknown = set(categories) - set(CATEGORIES)
+        if isinstance(categories, str):
+            raise InvalidOptionError(f"categories must be a sequence of names, got the string {categories!r}")
+        wanted = set(categories)
+    rows = _read(Path(path) if path is not None else default_questions_path())
+    if wanted is not None:
+        known = set(CATEGORIES) | set(MT_BENCH) | {r["category"] for r in rows}
+        unknown = wanted - known
         if unknown:
             raise InvalidOptionError(f"unknown categories {sorted(unknown)}; choose from {CATEGORIES}")
-    p = Path(path) if path is not None else default_questions_path()
-    if not p.is_file():
-        raise InvalidOptionError(f"Spec-Bench questions not found at {p} (set ORTSPEC_SPEC_BENCH)")
     by_cat: dict[str, dict[str, list[BenchPrompt]]] = defaultdict(lambda: defaultdict(list))
-    with open(p, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            q = json.loads(line)
-            qid = int(q["question_id"])
-            if (split == "dev" and qid % 2) or (split == "heldout" and not qid % 2):
-                continue
-            sub = q["category"]
-            cat = "multi-turn" if sub in MT_BENCH else sub
-            if categories is not None and cat not in categories:
-                continue
-            by_cat[cat][sub].append(BenchPrompt(qid, cat, sub, q["turns"][0]))
+    for r in rows:
+        qid, sub = r["question_id"], r["category"]
+        if (split == "dev" and qid % 2) or (split == "heldout" and not qid % 2):
+            continue
+        cat = "multi-turn" if sub in MT_BENCH else sub
+        if wanted is not None and cat not in wanted and sub not in wanted:
+            continue
+        by_cat[cat][sub].append(BenchPrompt(qid, cat, sub, r["text"]))
+    order = [c for c in CATEGORIES if c in by_cat] + [c for c in by_cat if c not in CATEGORIES]
     out: list[BenchPrompt] = []
-    for cat in CATEGORIES:
+    for cat in order:
         subs = [by_cat[cat][s] for s in sorted(by_cat[cat])]
         merged = [q for group in _round_robin(subs) for q in group]
         out.extend(merged[:per_category] if per_category else merged)
@@ -93,4 +120,5 @@ def interleave_categories(prompts: list[BenchPrompt]) -> list[BenchPrompt]:
     by_cat: dict[str, list[BenchPrompt]] = defaultdict(list)
     for q in prompts:
         by_cat[q.category].append(q)
-    return [q for row in _round_robin([by_cat[c] for c in CATEGORIES if c in by_cat]) for q in row]
+    order = [c for c in CATEGORIES if c in by_cat] + [c for c in by_cat if c not in CATEGORIES]
+    return [q for row in _round_robin([by_cat[c] for c in order]) for q in row]

@@ -53,7 +53,7 @@ def test_load_spec_bench_keeps_the_dev_split_first_turn(tmp_path):
     assert [p["id"] for p in dev] == ["q2", "q4", "q6"]
     assert dev[0]["prompt"].endswith("<|im_start|>user\ntwo<|im_end|>\n<|im_start|>assistant\n")
     assert [p["id"] for p in load_spec_bench(path, per_category=1)] == ["q2", "q6"]
-    assert [p["id"] for p in load_spec_bench(path, split="test")] == ["q1"]
+    assert [p["id"] for p in load_spec_bench(path, split="heldout")] == ["q1"]
     assert [p["id"] for p in load_spec_bench(path, categories=["y"])] == ["q6"]
 
 

@@ -12,14 +12,16 @@ interpreter by default). A missing venv, package or model gives an `AnchorUnavai
 reason, never an exception:
 
     from benchmarks.anchors import run_genai_anchor, run_hf_anchor, load_spec_bench, summarize
-    prompts = load_spec_bench("/path/to/question.jsonl", per_category=2)
+    prompts = load_spec_bench(per_category=2)   # the packaged Spec-Bench file, dev split
     runs = run_genai_anchor(prompts, max_new_tokens=128, repeats=2)
     if runs:                       # AnchorUnavailable is falsy
         print(summarize(runs)["per_category"])
     else:
         print("skipped:", runs.reason)
 
-Records and the prompt format are described in `anchor_io`.
+Records and the prompt format are described in `anchor_io`. The Spec-Bench questions come from
+`ortspec.bench.workload`, the one loader of that file, so the anchors and `ortspec bench` run
+the same split and sample.
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
+
+from ortspec.bench.workload import load_questions
 
 from .anchor_io import (
     DEFAULT_SYSTEM_PROMPT,
     format_summary,
-    load_spec_bench,
     prompt_digest,
     read_jsonl,
     render_chatml,
@@ -63,6 +66,32 @@ __all__ = [
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent.parent
+
+
+def load_spec_bench(
+    path: str | os.PathLike | None = None,
+    *,
+    split: str = "dev",
+    per_category: int | None = None,
+    categories: Iterable[str] | None = None,
+    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+) -> list[dict[str, Any]]:
+    """Spec-Bench questions as anchor prompts: first turn, rendered with `render_chatml`.
+
+    `path`, `split` ("dev": even question ids, "heldout": odd, "all"), `per_category` and
+    `categories` are those of `ortspec.bench.workload.load_questions` (path None: the packaged
+    file), which picks the questions; each prompt is `{"id": "q<question_id>", "category",
+    "subcategory", "prompt"}`.
+    """
+    return [
+        {
+            "id": f"q{q.question_id}",
+            "category": q.category,
+            "subcategory": q.subcategory,
+            "prompt": render_chatml([{"role": "user", "content": q.text}], system_prompt),
+        }
+        for q in load_questions(path, split=split, per_category=per_category, categories=categories)
+    ]
 
 
 def default_paths(root: Path | str = REPO_ROOT) -> dict[str, Path]:

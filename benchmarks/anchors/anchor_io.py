@@ -11,8 +11,8 @@ Prompt file (JSON lines), one object per prompt:
 `prompt` is text already rendered through the chat template, tokenized as it is (special tokens
 in it are parsed, no BOS is added: SmolLM2's template starts with `<|im_start|>` itself). If
 `prompt` is absent, `messages` are rendered by the anchor with its own framework's copy of the
-model's chat template (generation prompt appended). Rendering once, here, with `render_chatml`
-is the way to give every system the very same text; every record carries the prompt's token
+model's chat template (generation prompt appended). Rendering once, with `render_chatml` (as
+`benchmarks.anchors.load_spec_bench` does), is the way to give every system the very same text; every record carries the prompt's token
 count and a digest of its token ids, so identical inputs across systems can be checked.
 
 Record (JSON lines), one per prompt, mode and repeat:
@@ -62,46 +62,6 @@ def render_chatml(
         out.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
     out.append("<|im_start|>assistant\n")
     return "".join(out)
-
-
-def load_spec_bench(
-    path: str | Path,
-    *,
-    split: str = "dev",
-    per_category: int | None = None,
-    categories: Iterable[str] | None = None,
-    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
-) -> list[dict[str, Any]]:
-    """Spec-Bench questions as prompts: first turn, rendered with `render_chatml`.
-
-    split "dev" keeps even question ids, "test" odd ones, "all" both. `per_category` keeps the
-    first n of each category (in file order).
-    """
-    if split not in ("dev", "test", "all"):
-        raise ValueError(f"split must be dev, test or all, not {split!r}")
-    wanted = set(categories) if categories is not None else None
-    taken: dict[str, int] = defaultdict(int)
-    prompts = []
-    for q in read_jsonl(path):
-        qid = int(q["question_id"])
-        if split == "dev" and qid % 2:
-            continue
-        if split == "test" and not qid % 2:
-            continue
-        cat = q.get("category", "unknown")
-        if wanted is not None and cat not in wanted:
-            continue
-        if per_category is not None and taken[cat] >= per_category:
-            continue
-        taken[cat] += 1
-        prompts.append(
-            {
-                "id": f"q{qid}",
-                "category": cat,
-                "prompt": render_chatml([{"role": "user", "content": q["turns"][0]}], system_prompt),
-            }
-        )
-    return prompts
 
 
 def validate_prompts(prompts: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

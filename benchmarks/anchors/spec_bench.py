@@ -1,11 +1,12 @@
 """Run the anchors on Spec-Bench prompts and print ngram-vs-plain speedups per category.
 
-    .venv/bin/python -m benchmarks.anchors.spec_bench \
-        --questions /path/to/spec_bench/question.jsonl --per-category 1 --max-new-tokens 128
+    .venv/bin/python -m benchmarks.anchors.spec_bench --per-category 1 --max-new-tokens 128
 
-Dev split (even question ids), first turn, rendered through SmolLM2's ChatML template with its
-default system prompt. Records go to benchmarks/tmp/anchors-<system>.jsonl (git-ignored).
-Anchors that cannot run are reported and skipped.
+The Spec-Bench questions packaged with ortspec (or --questions FILE), sampled as `ortspec bench`
+samples them (ortspec.bench.workload): dev split (even question ids) by default, first turn,
+rendered through SmolLM2's ChatML template with its default system prompt. Records go to
+benchmarks/tmp/anchors-<system>.jsonl (git-ignored). Anchors that cannot run are reported and
+skipped.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+from ortspec.bench.workload import SPLITS
+from ortspec.runtime.errors import InvalidOptionError
 
 if __package__ in (None, ""):  # run as a file: make `benchmarks.anchors` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -31,9 +35,10 @@ from benchmarks.anchors import (  # noqa: E402
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--questions", default="/work/shared/data/spec_bench/question.jsonl")
-    ap.add_argument("--split", default="dev", choices=["dev", "test", "all"])
-    ap.add_argument("--per-category", type=int, default=1)
+    ap.add_argument("--questions", default=None,
+                    help="a Spec-Bench question.jsonl (default: the one packaged with ortspec)")
+    ap.add_argument("--split", default="dev", choices=SPLITS)
+    ap.add_argument("--per-category", type=int, default=1, help="prompts per category; 0 = all")
     ap.add_argument("--categories", default=None, help="comma-separated (default: all)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1)
@@ -45,7 +50,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     cats = args.categories.split(",") if args.categories else None
-    prompts = load_spec_bench(args.questions, split=args.split, per_category=args.per_category, categories=cats)
+    try:
+        prompts = load_spec_bench(args.questions, split=args.split, per_category=args.per_category or None,
+                                  categories=cats)
+    except InvalidOptionError as e:
+        print(f"spec_bench: error: {e}", file=sys.stderr)
+        return 2
     print(f"{len(prompts)} prompts ({args.split} split), max_new_tokens {args.max_new_tokens}, "
           f"repeats {args.repeats}", flush=True)
     outdir = Path(args.outdir)
