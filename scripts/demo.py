@@ -32,15 +32,15 @@ def main() -> int:
         path = ensure_default_model()
         print(f"default model ready at {path} ({time.perf_counter() - t0:.1f} s)")
     model = load_model(path)
-    print(f"loaded {model.path.name}: providers {model.decoder.providers}")
-    policy = model.draft_length_policy()  # the cost model: calibrated once per machine, cached
+    print(f"loaded {model.path.name}: providers {model.providers}")
+    model.draft_length_policy()  # the cost model: calibrated once per machine, cached
     ids = model.encode(PROMPT, chat=True)
     opts = SpeculativeOptions(args.max_new_tokens, temperature=args.temperature, seed=0)
     model.generate(ids[:8], drafter=None, options=SpeculativeOptions(4))  # warm-up
     runs = {}
     for name in ("plain", "speculative", "plain", "speculative"):  # A B A B: drift hits both
         r = model.generate(ids, drafter=None if name == "plain" else "prompt-lookup", options=opts,
-                           draft_length=None if name == "plain" else policy)
+                           draft_length=None if name == "plain" else "auto")
         runs.setdefault(name, []).append(r)
     plain, spec = runs["plain"][-1], runs["speculative"][-1]
     print("\n--- prompt ---\n" + PROMPT)

@@ -1,7 +1,7 @@
 """Soak test: many requests on ONE loaded model, resident memory sampled after each.
 
     python scripts/soak.py [--tokens 100000] [--model DIR] [--prompts 32] [--max-new-tokens 192]
-                           [--report docs/soak.md] [--json PATH] [--no-mem-pattern]
+                           [--report docs/soak.md] [--json PATH]
 
 The workload is a cycle that repeats exactly: `--prompts` Spec-Bench questions (all six
 categories in turn, through the chat template) crossed with every combination of decoding mode
@@ -47,8 +47,7 @@ import numpy as np
 
 from ortspec.bench.workload import default_questions_path, interleave_categories, load_questions
 from ortspec.runtime import PromptLookupSpeculator, SpeculativeOptions
-from ortspec.runtime.cli import default_model_path
-from ortspec.runtime.draft_length import AdaptiveDraftLength
+from ortspec.runtime.paths import default_model_path
 from ortspec.runtime.model import load_model
 
 MODES = ("speculative", "plain")
@@ -128,25 +127,13 @@ def _load(args: argparse.Namespace):
             from ortspec.export import ensure_default_model  # exports it (needs the export extra)
 
             path = ensure_default_model(progress=False)
-    model = load_model(path, threads=args.threads)
-    if args.no_mem_pattern:
-        # the same model with onnxruntime's per-shape memory plans off, for comparison
-        import onnxruntime as ort
-
-        from ortspec.runtime.ort_decoder import OrtDecoder
-
-        so = ort.SessionOptions()
-        so.enable_mem_pattern = False
-        model.decoder = OrtDecoder(path, manifest=model.manifest, threads=args.threads,
-                                   session_options=so)
-        gc.collect()
-    return path, model
+    return path, load_model(path, threads=args.threads)
 
 
 def run(args: argparse.Namespace) -> dict:
     commit = _commit()  # the code being loaded now, not whatever is checked out at the end
     path, model = _load(args)
-    cap = model.decoder.capacity
+    cap = model.capacity
     per_category = math.ceil(args.prompts / 6)
     prompts = interleave_categories(load_questions(args.questions, split="all",
                                                    per_category=per_category))[: args.prompts]
@@ -159,7 +146,7 @@ def run(args: argparse.Namespace) -> dict:
         encoded.append(ids[-room:] if len(ids) > room else ids)  # keep room for the reply
     period = math.lcm(len(prompts), len(MODES) * len(TEMPERATURES))
     warmup = period * args.warmup_cycles
-    policy = AdaptiveDraftLength.for_model(model)
+    policy = model.draft_length_policy().for_request()
     drafter = PromptLookupSpeculator(ngram_size=3, max_draft_len=8)
     stops = model.manifest.stop_token_ids
     gc.collect()
@@ -215,8 +202,8 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "commit": commit,
         "model": str(path),
-        "mem_pattern": not args.no_mem_pattern,
-        "providers": model.decoder.providers,
+        "mem_pattern": False,  # the runtime's session options turn onnxruntime's per-shape plans off
+        "providers": model.providers,
         "capacity": cap,
         "prompts": len(prompts),
         "period_requests": period,
@@ -257,7 +244,7 @@ def run(args: argparse.Namespace) -> dict:
         if counters["drafted"] else 0.0,
         "tokens_per_target_call": round(total / counters["target_calls"], 3)
         if counters["target_calls"] else 0.0,
-        "policy_chosen_entries": len(getattr(policy, "chosen", ())),
+        "policy_chosen_entries": len(policy.chosen),
         "samples": [dataclasses.asdict(s) for s in samples],
     }
 
@@ -373,8 +360,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report", default=str(REPO / "docs" / "soak.md"))
     ap.add_argument("--json", default=None, help="also write every sample as JSON here")
     ap.add_argument("--verbose", action="store_true", help="a line per request")
-    ap.add_argument("--no-mem-pattern", action="store_true",
-                    help="sessions with onnxruntime's per-shape memory plans disabled")
     args = ap.parse_args(argv)
     for name in ("tokens", "prompts", "max_new_tokens", "warmup_cycles"):
         if getattr(args, name) < 1:
