@@ -99,11 +99,11 @@ def run_pairs(
     says whether its tokens equal the plain decode's of the same prompt and repeat."""
     if not methods or methods[0].name != "plain":
         raise InvalidOptionError("the first method must be 'plain': every speedup is relative to it")
-    # the cost-model methods share the model's own policy, as a server's requests do: its
-    # acceptance estimates are kept per draft source, its cost correction is the machine's
-    auto = any(m.drafter != "none" and m.fixed_k is None for m in methods)
-    policy = model.draft_length_policy() if auto else None
-    policies = {m.name: policy if m.drafter != "none" and m.fixed_k is None else None for m in methods}
+    # each cost-model method learns on its own (two methods drafting with prompt lookup must not
+    # pool their estimates), from the model's calibrated curve
+    auto = [m.name for m in methods if m.drafter != "none" and m.fixed_k is None]
+    shared = model.draft_length_policy() if auto else None
+    policies = {m.name: shared.fresh() if m.name in auto else None for m in methods}
     capacity = model.manifest.capacity
     records: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []

@@ -28,6 +28,7 @@ from .errors import (
 )
 from .model import Model, load_model
 from .ort_decoder import OrtDecoder
+from .paths import default_model_path, models_dir
 from .protocols import Decoder, DecoderBase, DraftLengthPolicy, Drafter, DrafterBase
 from .providers import resolve_providers
 from .reference_decoder import ReferenceConfig, ReferenceDecoder
@@ -47,6 +48,7 @@ __all__ = [
     "NonFiniteLogitsError", "OrtDecoder", "OrtSessions", "OrtspecError",
     "PromptLookupSpeculator", "ProviderError", "ReferenceConfig", "ReferenceDecoder",
     "SpeculativeDecodeResult", "SpeculativeOptions", "__version__", "accept_or_resample",
+    "default_model_path", "models_dir",
     "load_model", "plain_decode", "resolve_providers", "sample_from", "speculative_decode",
     "speculative_decode_with", "verify_block", "warp",
 ]

@@ -273,14 +273,19 @@ class AdaptiveDraftLength:
         if self.learn_costs:
             self.correction.observe(n_tokens, seconds)
 
-    def for_seeded_request(self) -> "AdaptiveDraftLength":
-        """A policy for one seeded request: this one's cost curve and draft cost, with nothing
-        learned yet and no timing, so its choices depend on that request alone and the same seed
-        gives the same output (with a shared policy, earlier requests and the machine's speed
-        would change the block sizes, hence which random draws go where)."""
+    def fresh(self, *, learn_costs: bool = True) -> "AdaptiveDraftLength":
+        """An independent policy with this one's cost curve and draft cost and nothing learned
+        (e.g. one per method in a benchmark, so methods do not share estimates)."""
         return AdaptiveDraftLength(self.curve, draft_step_seconds=self.draft_step_seconds,
                                    acceptance=AcceptanceModel(self.acceptance.max_len),
-                                   learn_costs=False)
+                                   learn_costs=learn_costs)
+
+    def for_seeded_request(self) -> "AdaptiveDraftLength":
+        """A policy for one seeded request: `fresh`, and timing nothing, so its choices depend on
+        that request alone and the same seed gives the same output (with a shared policy,
+        earlier requests and the machine's speed would change the block sizes, hence which
+        random draws go where)."""
+        return self.fresh(learn_costs=False)
 
     def observe(self, proposed: DraftBlock, n_verified: int, n_accepted: int, first_token: int,
                 *, first_accept_prob: float | None = None) -> None:

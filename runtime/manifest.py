@@ -33,6 +33,7 @@ from .graph_io import (  # noqa: F401 - the schema's I/O names, re-exported
     ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS, past_key_name, past_value_name,
     present_key_name, present_value_name)
 from .onnx_guard import check_graph
+from .validation import is_int
 
 FORMAT_NAME = "ortspec-model"
 FORMAT_VERSION = 1
@@ -146,7 +147,7 @@ def _get(d: dict, key: str, typ: type | tuple[type, ...], where: str) -> Any:
     if key not in d:
         raise ManifestError(f"{where}: missing required field {key!r}")
     v = d[key]
-    if typ is int and (isinstance(v, bool) or not isinstance(v, int)):
+    if typ is int and not is_int(v):
         raise ManifestError(f"{where}.{key}: expected an integer, got {v!r}")
     if not isinstance(v, typ):
         names = typ.__name__ if isinstance(typ, type) else " or ".join(t.__name__ for t in typ)
@@ -220,13 +221,12 @@ def parse_manifest(data: Any) -> Manifest:
         )
     stops = _get(data, "stop_token_ids", list, "manifest")
     for t in stops:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < arch.vocab_size:
+        if not is_int(t) or not 0 <= t < arch.vocab_size:
             raise ManifestError(
                 f"manifest.stop_token_ids: {t!r} is not a token id in 0..{arch.vocab_size - 1}"
             )
     bos = data.get("bos_token_id")
-    if bos is not None and (isinstance(bos, bool) or not isinstance(bos, int)
-                            or not 0 <= bos < arch.vocab_size):
+    if bos is not None and (not is_int(bos) or not 0 <= bos < arch.vocab_size):
         raise ManifestError(f"manifest.bos_token_id = {bos!r} is not a token id")
     chat = data.get("chat_format")
     chat_format = None

@@ -15,6 +15,8 @@ import math
 
 import numpy as np
 
+from .validation import check_int
+
 _MAX_ITER = 100_000
 _EPS = 1e-15
 _TINY = 1e-300
@@ -67,8 +69,7 @@ def regularized_gamma_q(a: float, x: float) -> float:
 
 def chi2_sf(x: float, df: int) -> float:
     """P(X >= x) for X ~ chi-squared with `df` degrees of freedom: Q(df / 2, x / 2)."""
-    if isinstance(df, bool) or not isinstance(df, (int, np.integer)) or df < 1:
-        raise ValueError(f"df must be an integer >= 1, got {df!r}")
+    check_int("df", df, minimum=1, error=ValueError)
     return regularized_gamma_q(df / 2.0, max(0.0, float(x)) / 2.0)
 
 
