@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             "manifest_source": model.manifest.source, "config": vars(config), "methods": names,
             "skipped": skipped, "anchors": anchors,
             "anchor_records": anchor_raw, "title": title,
-            "providers": list(model.decoder.providers)}
+            "providers": list(model.providers)}
     write_outputs(out, meta, records)
     return 0
 
