@@ -63,7 +63,8 @@ class Model:
         self.draft_sessions = draft_sessions
         self.slots = SlotPool(self._new_slot, max_slots=max_concurrent, when_busy=when_busy,
                               timeout=busy_timeout)
-        self._lock = threading.Lock()  # guards the lazily made policy and own decoders
+        self._lock = threading.Lock()  # guards the lazily made own decoders
+        self._policy_lock = threading.Lock()  # held while the shared policy is made
         self._policy: AdaptiveDraftLength | None = None
         self._decoder: OrtDecoder | None = None
         self._draft: OrtDecoder | None = None
@@ -179,22 +180,19 @@ class Model:
         few seconds on a slot of the pool) and shared by this model's requests, each through a
         `for_request()` view, so what it learns about acceptance and call costs carries over,
         as in a server. `refresh` re-measures the curve."""
-        with self._lock:
+        with self._policy_lock:  # one thread measures; the others wait for its policy
             if self._policy is not None and not refresh:
                 return self._policy
-        with self.slots.slot() as slot:  # measured on request state, never a running request's
-            key = CalibrationKey(str(self.path), self.sessions.graph_digest,
-                                 tuple(self.sessions.providers), self.sessions.intra_op_threads)
-            curve = calibrated_cost_curve(slot.decoder, key, refresh=refresh)
-            draft_cost = 0.0
-            if slot.draft is not None:
-                # timings taken at different moments are not comparable on a drifting machine:
-                # the draft's step is measured against the target's, interleaved, and scaled
-                draft_cost = step_cost_ratio(slot.draft, slot.decoder) * curve.cost(1)
-        policy = AdaptiveDraftLength(curve, draft_step_seconds=draft_cost)
-        with self._lock:
-            if self._policy is None or refresh:
-                self._policy = policy
+            with self.slots.slot() as slot:  # measured on request state, never a running request's
+                key = CalibrationKey(str(self.path), self.sessions.graph_digest,
+                                     tuple(self.sessions.providers), self.sessions.intra_op_threads)
+                curve = calibrated_cost_curve(slot.decoder, key, refresh=refresh)
+                draft_cost = 0.0
+                if slot.draft is not None:
+                    # timings taken at different moments are not comparable on a drifting
+                    # machine: the draft's step is measured against the target's, interleaved
+                    draft_cost = step_cost_ratio(slot.draft, slot.decoder) * curve.cost(1)
+            self._policy = AdaptiveDraftLength(curve, draft_step_seconds=draft_cost)
             return self._policy
 
     def _request_policy(self, draft_length: Any, options: SpeculativeOptions
