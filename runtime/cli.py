@@ -4,6 +4,7 @@
     ortspec generate --model DIR --prompt "..." [--chat] [--temperature T] ...
     ortspec bench [--split dev] [--per-category N] ...
     ortspec check --model DIR [--providers ...]
+    ortspec serve [--model DIR] [--port 8000] [--max-concurrent N] ...   (needs the `serve` extra)
 
 Errors the user can fix print as one line and exit with status 2, no traceback.
 """
@@ -125,8 +126,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="latency benchmark on Spec-Bench (run `ortspec bench -h`)", add_help=False)
     c = sub.add_parser("check", help="check an export and provider for losslessness", add_help=False)
+    sub.add_parser("serve", help="OpenAI-compatible HTTP server (run `ortspec serve -h`)",
+                   add_help=False)
     del b, c
     return ap
+
+
+SERVE_PACKAGES = {"fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic", "anyio"}
+
+
+def _serve(argv: list[str]) -> int:
+    try:
+        from .serve.cli import main as serve_main
+    except ImportError as e:
+        if (e.name or "").partition(".")[0] not in SERVE_PACKAGES:
+            raise
+        raise OrtspecError(
+            f"`ortspec serve` needs the serve extra: pip install 'ortspec[serve]' ({e})"
+        ) from None
+    return serve_main(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             from ortspec.bench.cli import main as bench_main
 
             return bench_main(argv[1:])
+        if argv and argv[0] == "serve":
+            return _serve(argv[1:])
         if argv and argv[0] == "check":
             from .check_cli import main as check_main
 

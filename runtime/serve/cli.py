@@ -1,0 +1,88 @@
+"""`ortspec serve`: the OpenAI-compatible server on one loaded model.
+
+    ortspec serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--max-concurrent 4]
+                  [--max-queue 64] [--drafter prompt-lookup|none|...] [--threads N]
+
+The model is loaded, and the cost model's curve read or measured, before the port opens, so
+the first request is not slower than the rest. SIGTERM or Ctrl-C: stop accepting, let running
+requests finish, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+
+import uvicorn
+
+from ..cli_args import UserErrorParser, add_model_options, model_arg, providers_arg
+from ..drafters import DRAFTER_NAMES, NEEDS_DRAFT_MODEL
+from ..errors import InvalidOptionError, OrtspecError
+from ..validation import check_int
+from .app import create_app
+
+DEFAULT_MAX_QUEUE = 64
+BUSY_TIMEOUT_SECONDS = 60.0  # a slot is always free for an admitted request; this only bounds a bug
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = UserErrorParser(prog="ortspec serve",
+                        description="OpenAI-compatible HTTP server (chat and completions)")
+    add_model_options(p)
+    p.add_argument("--draft", help="draft model directory (default: the one the manifest lists)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-concurrent", type=int, default=4,
+                   help="requests decoding at once (each holds a KV slot)")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help="requests waiting for a slot; beyond that the answer is 503")
+    p.add_argument("--drafter", default="prompt-lookup", choices=DRAFTER_NAMES)
+    p.add_argument("--served-model-name", help="the model id clients use (default: the "
+                                               "model directory's name)")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def _check(args: argparse.Namespace) -> None:
+    check_int("--port", args.port, minimum=0, maximum=65535)
+    check_int("--max-concurrent", args.max_concurrent, minimum=1)
+    check_int("--max-queue", args.max_queue, minimum=0)
+    if args.threads is not None:
+        check_int("--threads", args.threads, minimum=0, what=" (0 = onnxruntime's default)")
+    if args.draft is not None and args.drafter not in NEEDS_DRAFT_MODEL:
+        raise InvalidOptionError(f"--draft is used only with a draft-model drafter, not "
+                                 f"{args.drafter!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..model import load_model
+
+    args = build_parser().parse_args(argv)
+    _check(args)
+    path = model_arg(args.model)
+    needs_draft = args.drafter in NEEDS_DRAFT_MODEL
+    model = load_model(path, providers=providers_arg(args.providers), threads=args.threads,
+                       draft=(args.draft or True) if needs_draft else None,
+                       max_concurrent=args.max_concurrent, when_busy="wait",
+                       busy_timeout=BUSY_TIMEOUT_SECONDS)
+    if args.drafter != "none":
+        model.draft_length_policy()  # read or measure the cost curve now, not in a request
+    name = args.served_model_name or os.path.basename(os.path.abspath(path))
+    app = create_app(model, model_name=name, drafter=args.drafter,
+                     max_concurrent=args.max_concurrent, max_queue=args.max_queue)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level=args.log_level, lifespan="on"))
+    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again under the handler
+    # it found: a handler that returns makes that a normal exit, status 0
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if not server.started:
+        raise OrtspecError(f"the server did not start on {args.host}:{args.port} (see the log)")
+    return 0

@@ -1,0 +1,209 @@
+"""`Engine`: requests admitted through a bounded queue, decoded in worker threads.
+
+The event loop never decodes. A request takes a place in `Admission` (running up to
+`max_running`, then waiting up to `max_waiting`, else `QueueFull`), then one worker thread runs
+its whole decode (`Model.stream`, with stop strings matched on the text) and hands each piece
+of text back to the loop. When the client goes away the consumer sets the request's cancel
+event; the worker stops after the step in progress and closes the stream, which gives the
+model's decode slot back, and only then is the place in `Admission` released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import threading
+import time
+from typing import Any, AsyncIterator, Callable
+
+from ..counters import DecodeCounters
+from .metrics import ServerMetrics
+from .protocol import GenerationRequest, finish_reason
+from .stops import StopMatcher
+
+
+class QueueFull(Exception):
+    """Every decode place is taken and the waiting queue is full."""
+
+
+class Ticket:
+    """One request's place in `Admission`: granted at once or queued. `release` is idempotent.
+
+    Once a worker decodes the request (`in_work`), the engine releases the place when the worker
+    has finished; before that, `abandon` (a request that never started) releases it."""
+
+    def __init__(self, admission: "Admission", granted: asyncio.Future) -> None:
+        self._admission, self._granted = admission, granted
+        self._released = False
+        self.in_work = False
+
+    def abandon(self) -> None:
+        if not self.in_work:
+            self.release()
+
+    async def wait(self) -> None:
+        try:
+            await self._granted
+        except asyncio.CancelledError:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        if self._granted.done() and not self._granted.cancelled():
+            self._admission._leave()
+        else:
+            self._admission._abandon(self._granted)
+
+
+class Admission:
+    """Running and waiting places, first come first served; used from the event loop only."""
+
+    def __init__(self, *, max_running: int, max_waiting: int) -> None:
+        self.max_running, self.max_waiting = max_running, max_waiting
+        self.running = 0
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def ticket(self) -> Ticket:
+        granted = asyncio.get_running_loop().create_future()
+        if self.running < self.max_running and not self._waiters:
+            self.running += 1
+            granted.set_result(None)
+        elif len(self._waiters) < self.max_waiting:
+            self._waiters.append(granted)
+        else:
+            raise QueueFull(f"{self.running} requests are running and {self.waiting} waiting "
+                            f"(--max-concurrent {self.max_running}, --max-queue {self.max_waiting})")
+        return Ticket(self, granted)
+
+    def _leave(self) -> None:
+        self.running -= 1
+        while self._waiters:
+            nxt = self._waiters.popleft()
+            if not nxt.done():
+                self.running += 1
+                nxt.set_result(None)
+                break
+
+    def _abandon(self, granted: asyncio.Future) -> None:
+        if granted in self._waiters:
+            self._waiters.remove(granted)
+        granted.cancel()
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    finish_reason: str  # "stop", "length", or "cancelled" (the client went away)
+    completion_tokens: int  # exact, except after a stop string (the text's tokens, re-encoded)
+    counters: DecodeCounters | None  # None when a stop string or the client cut the decode short
+
+
+_END = object()  # the worker's last message to the loop
+
+
+class Engine:
+    def __init__(self, model: Any, *, drafter: str, max_concurrent: int, max_queue: int) -> None:
+        self.model, self.drafter = model, drafter
+        self.admission = Admission(max_running=max_concurrent, max_waiting=max_queue)
+        self.metrics = ServerMetrics(running=lambda: self.admission.running,
+                                     waiting=lambda: self.admission.waiting)
+        self.executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max_concurrent, thread_name_prefix="ortspec-decode")
+
+    def admit(self) -> Ticket:
+        """A place for one request, or QueueFull; decided at once, before any response starts."""
+        return self.admission.ticket()
+
+    async def run(self, request: GenerationRequest, ticket: Ticket, arrived: float
+                  ) -> AsyncIterator[Piece | Outcome]:
+        """Text pieces as they are decoded, then the `Outcome`. Closing this generator early
+        (the client disconnected) cancels the decode and frees its slot."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+
+        def post(item: object) -> None:  # from the worker thread
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop has closed: nobody is listening any more
+                cancel.set()
+
+        await ticket.wait()
+        try:
+            work = loop.run_in_executor(self.executor, self._work, request, post, cancel)
+        except BaseException:
+            ticket.release()
+            raise
+        ticket.in_work = True
+        work.add_done_callback(lambda f: self._done(f, ticket, request, arrived))
+        first = True
+        try:
+            while (item := await queue.get()) is not _END:
+                if first:
+                    self.metrics.ttft.observe(time.perf_counter() - arrived)
+                    first = False
+                yield item
+            yield await work  # the worker's exception, if it failed
+        finally:
+            cancel.set()
+
+    def _done(self, work: asyncio.Future, ticket: Ticket, request: GenerationRequest,
+              arrived: float) -> None:
+        ticket.release()
+        if work.cancelled() or work.exception() is not None:
+            return
+        outcome: Outcome = work.result()
+        if outcome.finish_reason != "cancelled":
+            self.metrics.finished(reason=outcome.finish_reason,
+                                  prompt_tokens=len(request.prompt_ids),
+                                  completion_tokens=outcome.completion_tokens,
+                                  counters=outcome.counters, seconds=time.perf_counter() - arrived)
+
+    def _work(self, request: GenerationRequest, post: Callable[[object], None],
+              cancel: threading.Event) -> Outcome:
+        try:
+            return self._decode(request, post, cancel)
+        finally:
+            post(_END)
+
+    def _decode(self, request: GenerationRequest, post: Callable[[object], None],
+                cancel: threading.Event) -> Outcome:
+        stream = self.model.stream(request.prompt_ids, drafter=self.drafter,
+                                   options=request.options)
+        matcher = StopMatcher(request.stop)
+        decoded: list[str] = []
+        pieces = iter(stream)
+        try:
+            for piece in pieces:
+                if cancel.is_set():
+                    return Outcome("cancelled", 0, None)
+                decoded.append(piece)
+                if out := matcher.feed(piece):
+                    post(Piece(out))
+                if matcher.stopped:
+                    break
+        finally:
+            pieces.close()  # a stream cut short gives its slot back here
+        if matcher.stopped:
+            n = len(self.model.tokenizer.encode("".join(decoded), add_special_tokens=False).ids)
+            return Outcome("stop", n, None)
+        if tail := matcher.flush():
+            post(Piece(tail))
+        result = stream.result
+        return Outcome(finish_reason(result.finish_reason), result.num_tokens, result.counters)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)

@@ -1,0 +1,67 @@
+"""`ServerMetrics`: the Prometheus series `/metrics` exposes, on a registry of the server's own.
+
+Names follow vLLM's, so its dashboards read them: `vllm:num_requests_running` and
+`vllm:num_requests_waiting` (gauges read from the admission queue when scraped),
+`vllm:time_to_first_token_seconds` and `vllm:e2e_request_latency_seconds` (histograms, from the
+request's arrival, queueing included), `vllm:prompt_tokens_total`,
+`vllm:generation_tokens_total`, `vllm:request_success_total{finished_reason}`, and the
+speculative-decoding counters: `vllm:spec_decode_num_drafts_total` (verify calls that checked a
+non-empty draft), `..._num_draft_tokens_total` (drafted), `..._num_accepted_tokens_total`
+(accepted) and `..._num_accepted_tokens_per_pos_total{position}` (accepted at draft position
+0, 1, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the app
+
+from ..counters import DecodeCounters
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class ServerMetrics:
+    def __init__(self, *, running: Callable[[], int], waiting: Callable[[], int]) -> None:
+        self.registry = r = CollectorRegistry()
+        Gauge("vllm:num_requests_running", "Requests decoding now", registry=r).set_function(running)
+        Gauge("vllm:num_requests_waiting", "Requests queued for a decode slot",
+              registry=r).set_function(waiting)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds",
+                              "Arrival to first text, queueing included", buckets=TTFT_BUCKETS,
+                              registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", registry=r)
+        self.success = Counter("vllm:request_success", "Requests finished, by finish reason",
+                               ["finished_reason"], registry=r)
+        self.drafts = Counter("vllm:spec_decode_num_drafts", "Verify calls with a draft",
+                              registry=r)
+        self.draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Drafted tokens",
+                                    registry=r)
+        self.accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Accepted tokens",
+                                       registry=r)
+        self.accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted tokens by draft position", ["position"],
+                                        registry=r)
+
+    def finished(self, *, reason: str, prompt_tokens: int, completion_tokens: int,
+                 counters: DecodeCounters | None, seconds: float) -> None:
+        self.e2e.observe(seconds)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        self.success.labels(finished_reason=reason).inc()
+        if counters is not None:
+            self.drafts.inc(counters.verify_calls)
+            self.draft_tokens.inc(counters.drafted)
+            self.accepted_tokens.inc(counters.accepted)
+            for position, n in enumerate(counters.accepted_by_position):
+                self.accepted_per_pos.labels(position=str(position)).inc(n)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

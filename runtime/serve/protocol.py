@@ -1,0 +1,368 @@
+"""The OpenAI wire format: request bodies checked into a `GenerationRequest`, and the response
+bodies and stream chunks built from what a decode did. Plain functions, no web framework.
+
+Every check runs before any decoding and raises `ApiError` naming the field (`param`), the
+value and what is allowed; `ApiError.body()` is OpenAI's `{"error": {...}}` shape.
+
+    info = ModelInfo.of(model, name="smollm2")
+    request = parse_chat(json_body, info)     # or parse_completion
+    request.prompt_ids, request.options, request.stop, request.stream
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import uuid
+from typing import Any, Callable, Literal
+
+from ..counters import DecodeCounters
+from ..decode import SpeculativeOptions
+from ..manifest import ChatFormat
+from ..validation import is_int
+
+Kind = Literal["chat", "completion"]
+CHAT_ROLES = ("system", "user", "assistant")
+MAX_STOP_STRINGS = 16
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat: what fits
+# OpenAI fields this server cannot honour; a request that sets one to a non-default value is
+# refused rather than silently answered differently
+UNSUPPORTED = {"logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
+               "suffix": (), "presence_penalty": (0,), "frequency_penalty": (0,),
+               "logit_bias": ({},), "tools": ([],), "functions": ([],),
+               "response_format": ({"type": "text"},)}  # name -> the values that mean "unused"
+
+
+class ApiError(Exception):
+    """An error answered to the client in OpenAI's shape, with an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def invalid(param: str | None, message: str) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What request checks need to know about the served model."""
+
+    name: str
+    capacity: int  # KV capacity; a decode may reach capacity + 1 tokens (the last is never fed)
+    vocab_size: int
+    chat_format: ChatFormat | None
+    encode: Callable[[str], list[int]]  # text -> token ids, BOS as the model wants it
+
+    @classmethod
+    def of(cls, model: Any, *, name: str) -> "ModelInfo":
+        return cls(name=name, capacity=model.capacity,
+                   vocab_size=model.manifest.architecture.vocab_size,
+                   chat_format=model.manifest.chat_format, encode=model.encode)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    kind: Kind
+    prompt_ids: list[int]
+    options: SpeculativeOptions  # stop_token_ids left empty: the model adds its own
+    stop: tuple[str, ...]  # stop strings, matched on the text and not returned
+    stream: bool
+    include_usage: bool
+
+
+# -- field checks ---------------------------------------------------------------------------------
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _number(body: dict, name: str, default: float | None) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_number(v) or not math.isfinite(v):
+        raise invalid(name, f"{name} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _integer(body: dict, name: str) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not is_int(v):
+        raise invalid(name, f"{name} must be an integer, got {v!r}")
+    return int(v)
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise invalid(name, f"{name} must be true or false, got {v!r}")
+    return v
+
+
+def _check_model(body: dict, info: ModelInfo) -> None:
+    name = body.get("model")
+    if name is None:
+        raise invalid("model", f"model is required; this server serves {info.name!r}")
+    if not isinstance(name, str):
+        raise invalid("model", f"model must be a string, got {name!r}")
+    if name != info.name:
+        raise ApiError(404, f"the model {name!r} does not exist; this server serves {info.name!r}",
+                       param="model", code="model_not_found")
+
+
+def _check_unsupported(body: dict) -> None:
+    for name, defaults in UNSUPPORTED.items():
+        v = body.get(name)
+        if v is not None and v not in defaults:
+            raise invalid(name, f"{name} is not supported by this server (got {_short(v)})")
+
+
+def _sampling(body: dict) -> tuple[float, int | None, float | None, int | None]:
+    temperature = _number(body, "temperature", 1.0)
+    assert temperature is not None
+    if temperature < 0:
+        raise invalid("temperature", f"temperature must be >= 0, got {body['temperature']!r}")
+    top_p = _number(body, "top_p", None)
+    if top_p is not None and not 0 < top_p <= 1:
+        raise invalid("top_p", f"top_p must be in (0, 1], got {body['top_p']!r}")
+    top_k = _integer(body, "top_k")
+    if top_k is not None and top_k != -1 and top_k < 1:
+        raise invalid("top_k", f"top_k must be an integer >= 1, or -1 for no limit, got {top_k!r}")
+    seed = _integer(body, "seed")
+    if seed is not None and seed < 0:
+        raise invalid("seed", f"seed must be an integer >= 0, got {seed!r}")
+    return (temperature, None if top_k in (None, -1) else top_k,
+            None if top_p in (None, 1.0) else top_p, seed)
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise invalid("stop", f"stop must be a string or a list of strings, got {v!r}")
+    if len(items) > MAX_STOP_STRINGS:
+        raise invalid("stop", f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(items)}")
+    if any(s == "" for s in items):
+        raise invalid("stop", "stop strings must not be empty")
+    return tuple(items)
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not isinstance(opts, dict):
+        raise invalid("stream_options", f"stream_options must be an object, got {opts!r}")
+    if not stream:
+        raise invalid("stream_options", "stream_options is only allowed when stream is true")
+    return stream, _bool(opts, "include_usage")
+
+
+def _max_tokens(body: dict, prompt_len: int, info: ModelInfo, default: int | None) -> int:
+    room = info.capacity + 1 - prompt_len  # decode.py: prompt + new tokens <= capacity + 1
+    if prompt_len > info.capacity:
+        raise invalid("messages" if "messages" in body else "prompt",
+                      f"the prompt has {prompt_len} tokens; this model's context holds at most "
+                      f"{info.capacity}")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    n = _integer(body, name)
+    if n is None:
+        return room if default is None else min(default, room)
+    if n < 1:
+        raise invalid(name, f"{name} must be an integer >= 1, got {n}")
+    if n > room:
+        raise invalid(name, f"{name} is {n}, but at most {room} new tokens fit after this "
+                             f"{prompt_len}-token prompt (context {info.capacity})")
+    return n
+
+
+def _common(body: Any, info: ModelInfo) -> None:
+    if not isinstance(body, dict):
+        raise invalid(None, f"the request body must be a JSON object, got {type(body).__name__}")
+    _check_model(body, info)
+    n = body.get("n")
+    if n is not None and (not is_int(n) or n != 1):
+        raise invalid("n", f"n must be 1 (this server returns one choice per request), got {n!r}")
+    _check_unsupported(body)
+
+
+def _request(kind: Kind, body: dict, ids: list[int], info: ModelInfo,
+             default_max_tokens: int | None) -> GenerationRequest:
+    temperature, top_k, top_p, seed = _sampling(body)
+    stop = _stop(body)
+    stream, include_usage = _stream(body)
+    max_new = _max_tokens(body, len(ids), info, default_max_tokens)
+    options = SpeculativeOptions(max_new, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 seed=seed)
+    return GenerationRequest(kind, ids, options, stop, stream, include_usage)
+
+
+def _message_text(i: int, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: only text ones
+        texts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise invalid(f"messages[{i}].content[{j}]",
+                              f"only text content parts ({{'type': 'text', 'text': ...}}) are "
+                              f"supported, got {part!r}")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise invalid(f"messages[{i}].content",
+                  f"messages[{i}].content must be a string or a list of text parts, got {content!r}")
+
+
+def parse_chat(body: Any, info: ModelInfo) -> GenerationRequest:
+    """A /v1/chat/completions body -> a request, the messages rendered with the chat format."""
+    _common(body, info)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", f"messages must be a non-empty list, got {messages!r}")
+    turns = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise invalid(f"messages[{i}]", f"messages[{i}] must be an object, got {m!r}")
+        role = "system" if m.get("role") == "developer" else m.get("role")
+        if role not in CHAT_ROLES:
+            raise invalid(f"messages[{i}].role", f"messages[{i}].role must be one of "
+                                                  f"{', '.join(CHAT_ROLES)}, got {m.get('role')!r}")
+        turns.append({"role": role, "content": _message_text(i, m.get("content"))})
+    if info.chat_format is None:
+        raise invalid("messages", f"the model {info.name!r} has no chat format; use /v1/completions")
+    ids = info.encode(info.chat_format.render(turns))
+    return _request("chat", body, ids, info, None)
+
+
+def parse_completion(body: Any, info: ModelInfo) -> GenerationRequest:
+    """A /v1/completions body -> a request; the prompt is a string or a list of token ids."""
+    _common(body, info)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid("prompt", "prompt must not be empty")
+        ids = info.encode(prompt)
+    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
+        bad = next((t for t in prompt if not 0 <= t < info.vocab_size), None)
+        if bad is not None:
+            raise invalid("prompt", f"prompt token id {bad} is outside the vocabulary "
+                                    f"(0..{info.vocab_size - 1})")
+        ids = [int(t) for t in prompt]
+    else:
+        raise invalid("prompt", f"prompt must be a string or a non-empty list of token ids (one "
+                                f"prompt per request), got {_short(prompt)}")
+    return _request("completion", body, ids, info, COMPLETION_DEFAULT_MAX_TOKENS)
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+# -- responses ------------------------------------------------------------------------------------
+
+def finish_reason(reason: str) -> str:
+    """ortspec's finish reasons in OpenAI's words: the KV capacity is a length limit."""
+    return "length" if reason == "capacity" else reason
+
+
+def speculative_section(counters: DecodeCounters | None, drafter: str) -> dict[str, Any] | None:
+    """The per-request speculative-decoding figures (None when the decode was cut short by a
+    stop string, before its counters were returned)."""
+    if counters is None:
+        return None
+    return {
+        "drafter": drafter,
+        "drafted_tokens": counters.drafted,
+        "accepted_tokens": counters.accepted,
+        "acceptance_rate": round(counters.acceptance_rate, 4),
+        "target_calls": counters.target_calls,
+        "verify_calls": counters.verify_calls,
+        "mean_tokens_per_target_call": round(counters.mean_tokens_per_call, 4),
+        "acceptance_by_position": [round(a, 4) for a in counters.acceptance_by_position],
+    }
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclasses.dataclass(frozen=True)
+class ResponseIds:
+    """The id, creation time and model name every body and chunk of one response repeats."""
+
+    kind: Kind
+    model: str
+    id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    def head(self, obj: str) -> dict[str, Any]:
+        prefix = "chatcmpl-" if self.kind == "chat" else "cmpl-"
+        return {"id": prefix + self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+def response_body(ids: ResponseIds, text: str, reason: str, prompt_tokens: int,
+                  completion_tokens: int, speculative: dict | None) -> dict[str, Any]:
+    if ids.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": None, "finish_reason": reason}
+        body = ids.head("chat.completion")
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        body = ids.head("text_completion")
+    return {**body, "choices": [choice], "usage": usage(prompt_tokens, completion_tokens),
+            "speculative": speculative}
+
+
+def chunk(ids: ResponseIds, *, text: str | None = None, role: bool = False,
+          reason: str | None = None, include_usage: bool = False,
+          extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One stream chunk: a piece of text (chat: the first one carries the role), or the last
+    one with `reason`. With `include_usage` every chunk has "usage": null (the usage chunk,
+    `usage_chunk`, comes after the last)."""
+    if ids.kind == "chat":
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        body = ids.head("chat.completion.chunk")
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        body = ids.head("text_completion")
+    body["choices"] = [choice]
+    if include_usage:
+        body["usage"] = None
+    if extra:
+        body.update(extra)
+    return body
+
+
+def usage_chunk(ids: ResponseIds, prompt_tokens: int, completion_tokens: int,
+                speculative: dict | None) -> dict[str, Any]:
+    obj = "chat.completion.chunk" if ids.kind == "chat" else "text_completion"
+    return {**ids.head(obj), "choices": [], "usage": usage(prompt_tokens, completion_tokens),
+            "speculative": speculative}
+
