@@ -229,8 +229,10 @@ def speculative_decode_steps(
     options: SpeculativeOptions,
     *,
     draft_length: DraftLengthPolicy | None = None,
+    counters: DecodeCounters | None = None,
 ) -> Generator[list[int], None, SpeculativeDecodeResult]:
-    """`speculative_decode_with` as a generator of the tokens each step emits.
+    """`speculative_decode_with` as a generator of the tokens each step emits. `counters` (a
+    fresh one by default) is filled in as the decode goes.
 
     Per request: `drafter.begin(options, draft_length)` and `draft_length.begin(options)`.
     Per step: ask the drafter for up to k tokens (k bounded by `options.max_draft_len`, the
@@ -252,15 +254,15 @@ def speculative_decode_steps(
             f"methods (subclass ortspec.runtime.DrafterBase for a begin that does nothing); got "
             f"{type(drafter).__name__}")
     with _claim(decoder=decoder, drafter=drafter, policy=draft_length):
-        return (yield from _speculative_steps(decoder, prompt, drafter, options, draft_length))
+        return (yield from _speculative_steps(decoder, prompt, drafter, options, draft_length,
+                                              counters or DecodeCounters()))
 
 
 def _speculative_steps(decoder: Decoder, prompt: list[int], drafter: Drafter,
-                       options: SpeculativeOptions, draft_length: DraftLengthPolicy | None
-                       ) -> Generator[list[int], None, SpeculativeDecodeResult]:
+                       options: SpeculativeOptions, draft_length: DraftLengthPolicy | None,
+                       counters: DecodeCounters) -> Generator[list[int], None, SpeculativeDecodeResult]:
     t_start = time.perf_counter()
     ort_start = decoder.ort_seconds
-    counters = DecodeCounters()
     rng = np.random.default_rng(options.seed)
     stops = frozenset(options.stop_token_ids)
     vocab = decoder.vocab_size

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Generator, Iterator, Sequence
 
 from . import manifest as mf
+from .counters import DecodeCounters
 from .calibration import CalibrationKey, calibrated_cost_curve, step_cost_ratio
 from .decode import (
     DecodeStream,
@@ -214,7 +215,8 @@ class Model:
                 f"draft) or a policy object; got {draft_length!r}")
 
     def _steps(self, ids: list[int], drafter: Drafter | str | None, options: SpeculativeOptions,
-               draft_length: Any) -> Generator[list[int], None, SpeculativeDecodeResult]:
+               draft_length: Any, counters: DecodeCounters | None = None
+               ) -> Generator[list[int], None, SpeculativeDecodeResult]:
         """One request: its policy view, then a slot, then its drafter, then the decode loop.
         The slot goes back to the pool when the decode ends, fails or is abandoned."""
         if drafter == "none":
@@ -224,9 +226,9 @@ class Model:
             if isinstance(drafter, str):
                 drafter = self.make_drafter(drafter, draft_decoder=slot.draft)
             if drafter is None:
-                return (yield from plain_decode_steps(slot.decoder, ids, options))
+                return (yield from plain_decode_steps(slot.decoder, ids, options, counters=counters))
             return (yield from speculative_decode_steps(slot.decoder, ids, drafter, options,
-                                                        draft_length=policy))
+                                                        draft_length=policy, counters=counters))
 
     def generate(
         self,
@@ -270,23 +272,29 @@ class Model:
         draft_length: Any = "auto",
     ) -> "TextStream":
         """Like `generate`, yielding text as tokens are accepted; `.result` when done. The slot
-        is taken at the first iteration and given back when the stream ends or is closed."""
+        is taken at the first iteration and given back when the stream ends or is closed.
+        `.tokens` and `.counters` hold what was emitted and counted so far, also after the
+        caller stopped early (a stop string, a client gone)."""
         self._check_request(drafter, draft_length)
         ids, options = self._prepare(prompt, options, chat, system)
-        return TextStream(self, DecodeStream(self._steps(ids, drafter, options, draft_length)))
+        counters = DecodeCounters()
+        return TextStream(self, DecodeStream(self._steps(ids, drafter, options, draft_length, counters)),
+                          counters)
 
 
 class TextStream:
     """Yields decoded text pieces; holds back an incomplete UTF-8 sequence until it completes."""
 
-    def __init__(self, model: Model, stream: DecodeStream) -> None:
+    def __init__(self, model: Model, stream: DecodeStream, counters: DecodeCounters) -> None:
         self._model, self._stream = model, stream
         self.result: SpeculativeDecodeResult | None = None
+        self.tokens: list[int] = []  # emitted so far
+        self.counters = counters  # filled in as the decode goes
 
     def __iter__(self) -> Iterator[str]:
         # incremental detokenisation: decode only the tokens since the last piece (plus the one
         # before, for tokenizers whose pieces depend on their left neighbour), not the whole text
-        tokens: list[int] = []
+        tokens = self.tokens
         prefix = read = 0  # tokens[prefix:read] is the text already shown, decoded on its own
         shown = 0  # characters yielded
         for new in self._stream:
