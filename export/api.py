@@ -220,7 +220,8 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
     files = build_decoder(ckpt.spec, options,
                           ckpt.weight, cos, sin, graph_path=tmp / GRAPH_FILE,
                           data_path=tmp / DATA_FILE,
-                          on_layer=lambda i: stage(f"build: layer {i + 1}/{layers}"))
+                          on_layer=lambda i: stage(f"build: layer {i + 1}/{layers}"),
+                          local_rope=ckpt.local_rope_tables(capacity))
     bar.update()
 
     stage("save")
@@ -244,7 +245,8 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
         chat_template=getattr(ckpt.tokenizer, "chat_template", None) or None,
         bos_token_id=chat.bos_token_id(ckpt.tokenizer),
         extra={"exporter_revision": EXPORTER_REVISION, "attention": ATTENTION_OPS[attention],
-               "opset": opset,
+               "opset": opset, "model_type": getattr(ckpt.model.config, "model_type", None),
+               "family": ckpt.spec.family,
                "tied_embeddings": ckpt.spec.tied_embeddings,
                "weight_bytes": files.weight_bytes},
     )

@@ -50,17 +50,36 @@ def _gqa_preamble(b: GraphBuilder) -> dict[str, str]:
 
 def _gqa_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) -> str:
     spec = b.spec
+    inputs = [qkv, "", ""]  # packed q, k, v
+    if spec.qk_norm:  # the per-head norms come before the rotary, which GQA applies itself
+        q, k, v = _split_qkv(b, qkv)
+        inputs = [b.head_norm(q, spec.num_heads, f"layers.{i}.q_norm"),
+                  b.head_norm(k, spec.num_kv_heads, f"layers.{i}.k_norm"), v]
+    rope = spec.uses_rope(i)
+    # transformers' window W lets a query see itself and the W - 1 positions before it; ORT
+    # 1.32's CPU GroupQueryAttention with local_window_size W attends over the same W keys
+    # (step and verify blocks alike: tests/test_export_architectures.py)
+    window = spec.window(i)
     attn, _, _ = b.g.op(
         "GroupQueryAttention",
-        [qkv, "", "", mf.past_key_name(i), mf.past_value_name(i), ctx["seqlens_k"],
-         ctx["total"], "rope_cos", "rope_sin"],
+        [*inputs, mf.past_key_name(i), mf.past_value_name(i), ctx["seqlens_k"],
+         ctx["total"], *(spec.rope_tables(i) if rope else ())],
         3, domain=MS, name=f"layers.{i}.attn",
         outputs=[f"layers.{i}.attn/out0", mf.present_key_name(i), mf.present_value_name(i)],
         num_heads=spec.num_heads, kv_num_heads=spec.num_kv_heads,
-        scale=float(spec.attention_scale), do_rotary=1, rotary_interleaved=0,
-        local_window_size=-1,
+        scale=float(spec.attention_scale), do_rotary=int(rope), rotary_interleaved=0,
+        local_window_size=window if window else -1,
+        **({"softcap": float(spec.attn_softcap)} if spec.attn_softcap else {}),
     )
     return attn
+
+
+def _split_qkv(b: GraphBuilder, qkv: str) -> list[str]:
+    """[1, S, (heads + 2 kv_heads) * hd] -> q [1, S, heads * hd], k, v [1, S, kv_heads * hd]."""
+    spec = b.spec
+    q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    sizes = b.g.const("qkv_split", np.array([q_dim, kv_dim, kv_dim], np.int64))
+    return b.g.op("Split", [qkv, sizes], 3, axis=-1)
 
 
 # -- standard ONNX ops ----------------------------------------------------------------------------
@@ -83,6 +102,7 @@ def _standard_preamble(b: GraphBuilder) -> dict[str, str]:
         "write_index": g.op1("Unsqueeze", [past, axis0]),  # [1]: where the new rows go
         "valid": g.op1("Unsqueeze", [total, axis0]),  # [1]: nonpad_kv_seqlen
         "mask": mask,
+        "positions": positions,
     }
 
 
@@ -92,24 +112,48 @@ def _heads_first(b: GraphBuilder, x: str, heads: int) -> str:
     return b.g.op1("Transpose", [b.g.op1("Reshape", [x, shape])], perm=[0, 2, 1, 3])
 
 
+def _window_mask(b: GraphBuilder, window: int, ctx: dict[str, str]) -> str:
+    """The causal mask narrowed to a sliding window: query s sees key slot j when
+    position(s) - window < j <= position(s). Made once per window size."""
+    name = f"mask_window_{window}"
+    if name not in ctx:
+        g = b.g
+        cap = b.options.capacity
+        slots = g.const("kv_slots", np.arange(cap, dtype=np.int64)[None, :])  # [1, capacity]
+        w = g.const(f"window_{window}", np.array(window, np.int64))
+        start = g.op1("Unsqueeze", [g.op1("Sub", [ctx["positions"], w]),
+                                    g.const("axes_1", np.array([1], np.int64))])  # [S, 1]
+        ctx[name] = g.op1("And", [ctx["mask"], g.op1("Greater", [slots, start])])
+    return ctx[name]
+
+
 def _standard_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) -> str:
     g, spec = b.g, b.spec
-    q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    sizes = g.const("qkv_split", np.array([q_dim, kv_dim, kv_dim], np.int64))
-    q, k, v = g.op("Split", [qkv, sizes], 3, axis=-1)
-    rope: dict[str, Any] = {"interleaved": 0}
-    q = g.op1("RotaryEmbedding", [q, "rope_cos", "rope_sin", ctx["position_ids"]],
-              num_heads=spec.num_heads, **rope)
-    k = g.op1("RotaryEmbedding", [k, "rope_cos", "rope_sin", ctx["position_ids"]],
-              num_heads=spec.num_kv_heads, **rope)
+    q_dim = spec.num_heads * spec.head_dim
+    q, k, v = _split_qkv(b, qkv)
+    if spec.qk_norm:
+        q = b.head_norm(q, spec.num_heads, f"layers.{i}.q_norm")
+        k = b.head_norm(k, spec.num_kv_heads, f"layers.{i}.k_norm")
+    if spec.uses_rope(i):
+        rope: dict[str, Any] = {"interleaved": 0}
+        if spec.rotary_dims != spec.head_dim:
+            rope["rotary_embedding_dim"] = spec.rotary_dims
+        cos, sin = spec.rope_tables(i)
+        q = g.op1("RotaryEmbedding", [q, cos, sin, ctx["position_ids"]],
+                  num_heads=spec.num_heads, **rope)
+        k = g.op1("RotaryEmbedding", [k, cos, sin, ctx["position_ids"]],
+                  num_heads=spec.num_kv_heads, **rope)
     # the new rows go into the cache at past..past+S-1; present is the same buffer as past
     key, value = mf.present_key_name(i), mf.present_value_name(i)
     g.op("TensorScatter", [mf.past_key_name(i), _heads_first(b, k, spec.num_kv_heads),
                            ctx["write_index"]], outputs=[key], axis=2)
     g.op("TensorScatter", [mf.past_value_name(i), _heads_first(b, v, spec.num_kv_heads),
                            ctx["write_index"]], outputs=[value], axis=2)
-    y = g.op1("Attention", [_heads_first(b, q, spec.num_heads), key, value, ctx["mask"], "", "",
-                            ctx["valid"]], scale=float(spec.attention_scale), is_causal=0)
+    window = spec.window(i)
+    mask = _window_mask(b, window, ctx) if window else ctx["mask"]
+    y = g.op1("Attention", [_heads_first(b, q, spec.num_heads), key, value, mask, "", "",
+                            ctx["valid"]], scale=float(spec.attention_scale), is_causal=0,
+              **({"softcap": float(spec.attn_softcap)} if spec.attn_softcap else {}))
     flat = g.const("shape_rows_attn", np.array([1, -1, q_dim], np.int64))
     return g.op1("Reshape", [g.op1("Transpose", [y], perm=[0, 2, 1, 3]), flat])  # [1, S, q_dim]
 

@@ -165,6 +165,18 @@ class GraphBuilder:
                                    domain=MS, epsilon=eps)
         return h, total
 
+    def head_norm(self, x: str, heads: int, weight_name: str) -> str:
+        """RMSNorm over each head of x [1, S, heads * head_dim] with one [head_dim] weight
+        (Qwen3's q_norm and k_norm): reshaped to [1, S, heads, head_dim] and back."""
+        g, hd = self.g, self.spec.head_dim
+        w, eps = self.weight(weight_name), float(self.spec.rms_norm_eps)
+        split = g.const(f"shape_heads_{heads}", np.array([1, -1, heads, hd], np.int64))
+        flat = g.const(f"shape_flat_{heads}", np.array([1, -1, heads * hd], np.int64))
+        op = "RMSNormalization" if self.options.attention == "standard" else \
+            "SimplifiedLayerNormalization"
+        y = g.op1(op, [g.op1("Reshape", [x, split]), w], axis=-1, epsilon=eps, stash_type=1)
+        return g.op1("Reshape", [y, flat])
+
     def lm_head(self, h: str) -> None:
         g, spec, q = self.g, self.spec, self.options.quant
         if self._head is not None:  # written by embedding(), which reads the same bytes
@@ -188,6 +200,9 @@ class GraphBuilder:
             logits = g.op1("MatMul", [h, self.weight("lm_head", transpose=True)])
         if self.options.dtype != "fp32":
             logits = g.op1("Cast", [logits], to=TensorProto.FLOAT)
+        if spec.final_softcap:  # cap * tanh(logits / cap), in float32
+            cap = g.const("final_softcap", np.array(spec.final_softcap, np.float32))
+            logits = g.op1("Mul", [g.op1("Tanh", [g.op1("Div", [logits, cap])]), cap])
         g.op("Identity", [logits], name="logits_out", outputs=[mf.LOGITS])
 
 

@@ -28,7 +28,19 @@ _LAYER_NAMES = {  # canonical suffix -> Hugging Face parameter under model.layer
     **{f"{w}_bias": f"self_attn.{w}_proj.bias" for w in ("q", "k", "v", "o")},
     **{w: f"mlp.{w}_proj.weight" for w in ("gate", "up", "down")},
     **{f"{w}_bias": f"mlp.{w}_proj.bias" for w in ("gate", "up", "down")},
+    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
 }
+# Phi-3 stores q, k, v as one qkv_proj and gate, up as one gate_up_proj: canonical suffix ->
+# (the fused parameter, which of its row blocks), the blocks' sizes from the DecoderSpec
+_FUSED = {"q": ("self_attn.qkv_proj.weight", 0), "k": ("self_attn.qkv_proj.weight", 1),
+          "v": ("self_attn.qkv_proj.weight", 2),
+          "gate": ("mlp.gate_up_proj.weight", 0), "up": ("mlp.gate_up_proj.weight", 1)}
+# Gemma names its four norms by place: the one before the MLP is pre_feedforward_layernorm,
+# and post_attention_layernorm normalises the attention's output
+_GEMMA_NORMS = {"mlp_norm": "pre_feedforward_layernorm.weight",
+                "post_attn_norm": "post_attention_layernorm.weight",
+                "post_mlp_norm": "post_feedforward_layernorm.weight"}
+GEMMA = ("gemma2", "gemma3")
 
 
 @dataclasses.dataclass
@@ -40,30 +52,60 @@ class Checkpoint:
 
     def weight(self, name: str) -> np.ndarray | None:
         """Canonical weight name -> float32 array sharing the model's memory, or None."""
-        tensor = self._params.get(self._key(name))
-        return None if tensor is None else tensor.detach().float().numpy()
+        key, rows = self._where(name)
+        tensor = self._params.get(key)
+        if tensor is None:
+            return None
+        array = tensor.detach().float().numpy()[rows]
+        if self.spec.family in GEMMA and name.rsplit(".", 1)[-1].endswith("norm"):
+            return array + np.float32(1.0)  # Gemma's RMSNorm multiplies by (1 + weight)
+        return array
 
-    @staticmethod
-    def _key(name: str) -> str:
+    def _key(self, name: str) -> str:
         """Canonical weight name -> the Hugging Face parameter name."""
-        if name == "embed":
-            return "model.embed_tokens.weight"
-        if name == "norm":
-            return "model.norm.weight"
-        if name == "lm_head":
-            return "lm_head.weight"
-        _, i, suffix = name.split(".", 2)
-        return f"model.layers.{i}.{_LAYER_NAMES[suffix]}"
+        return self._where(name)[0]
 
-    def rope_tables(self, capacity: int) -> tuple[np.ndarray, np.ndarray]:
-        """cos, sin: [capacity, head_dim // 2] float32, computed by the model's own RoPE module."""
+    def _where(self, name: str) -> tuple[str, slice]:
+        """Canonical weight name -> (the Hugging Face parameter, the rows of it that are this
+        weight: all of them except in a fused parameter)."""
+        if name == "embed":
+            return "model.embed_tokens.weight", slice(None)
+        if name == "norm":
+            return "model.norm.weight", slice(None)
+        if name == "lm_head":
+            return "lm_head.weight", slice(None)
+        _, i, suffix = name.split(".", 2)
+        if self.spec.family == "phi3" and suffix in _FUSED:
+            fused, block = _FUSED[suffix]
+            spec = self.spec
+            q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+            sizes = (q, kv, kv) if suffix in ("q", "k", "v") else (spec.intermediate_size,) * 2
+            start = sum(sizes[:block])
+            return f"model.layers.{i}.{fused}", slice(start, start + sizes[block])
+        if self.spec.family in GEMMA and suffix in _GEMMA_NORMS:
+            return f"model.layers.{i}.{_GEMMA_NORMS[suffix]}", slice(None)
+        return f"model.layers.{i}.{_LAYER_NAMES[suffix]}", slice(None)
+
+    def rope_tables(self, capacity: int, *, layer_type: str | None = None) -> \
+            tuple[np.ndarray, np.ndarray]:
+        """cos, sin: [capacity, rotary_dim // 2] float32, computed by the model's own RoPE
+        module (for `layer_type`'s parameters where the model has one set per layer type)."""
         rotary = self.model.model.rotary_emb
         positions = torch.arange(capacity, dtype=torch.int64)[None]  # [1, capacity]
+        args = () if layer_type is None else (layer_type,)
+        if layer_type is None and self.spec.family == "gemma3":  # one module per layer type
+            args = ("full_attention",)
         with torch.no_grad():
-            cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
-        half = self.spec.head_dim // 2
+            cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions, *args)
+        half = cos.shape[-1] // 2  # rotary_dim / 2 (head_dim / 2 unless the rotary is partial)
         # the module returns cat(freqs, freqs) (rotate-half layout); GQA wants one half
         return cos[0, :, :half].numpy().copy(), sin[0, :, :half].numpy().copy()
+
+    def local_rope_tables(self, capacity: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The sliding layers' own cos, sin (Gemma 3's local base), or None."""
+        if not self.spec.local_rope:
+            return None
+        return self.rope_tables(capacity, layer_type="sliding_attention")
 
     def torch_logits(self, ids: np.ndarray, *, num_layers: int | None = None,
                      replace: dict[str, np.ndarray] | None = None) -> np.ndarray:
@@ -104,12 +146,19 @@ class Checkpoint:
                 if name == "lm_head":
                     head.weight = torch.nn.Parameter(tensor, requires_grad=False)
                     continue
-                param = self._params[self._key(name)]
-                if tuple(param.shape) != tuple(tensor.shape):
+                key, rows = self._where(name)
+                param = self._params[key]
+                current = param.data[rows]
+                if tuple(current.shape) != tuple(tensor.shape):
                     raise ValueError(f"{name}: replacement of shape {tuple(tensor.shape)} for a "
-                                     f"weight of shape {tuple(param.shape)}")
+                                     f"weight of shape {tuple(current.shape)}")
                 saved.append((param, param.data))
-                param.data = tensor
+                if rows == slice(None):
+                    param.data = tensor
+                else:  # a block of a fused parameter: a copy with those rows replaced
+                    whole = param.data.clone()
+                    whole[rows] = tensor
+                    param.data = whole
             yield
         finally:
             for param, data in reversed(saved):
@@ -143,7 +192,7 @@ def load_checkpoint(source: Source, *, capacity: int, progress: bool = True) -> 
     if not getattr(tokenizer, "is_fast", False) or not hasattr(tokenizer, "backend_tokenizer"):
         raise ExportError(f"{source.path}: needs a fast (tokenizers-library) tokenizer; got "
                           f"{type(tokenizer).__name__}")
-    return Checkpoint(source, model, tokenizer, decoder_spec(model))
+    return Checkpoint(source, model, tokenizer, decoder_spec(model, capacity=capacity))
 
 
 @contextlib.contextmanager
@@ -168,34 +217,87 @@ def _quiet(quiet: bool):
             transformers.utils.logging.enable_progress_bar()
 
 
+def _rope_parameters(config: Any) -> dict:
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return rope if isinstance(rope, dict) else {}
+
+
 def check_config(config: Any, *, capacity: int) -> None:
-    """Refuse configurations the graph does not implement, naming the feature."""
+    """Refuse configurations the graph does not implement, naming the config key and value."""
     model_type = getattr(config, "model_type", None)
     if model_type not in MODEL_TYPES:
         raise ExportError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED}")
+    if MODEL_TYPES[model_type] in GEMMA:
+        _check_gemma(config, capacity=capacity)
+        return
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
         raise ExportError(f"hidden_act {act!r} is not supported (the MLP is SiLU-gated)")
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope = _rope_parameters(config)
+    if set(rope) & {"sliding_attention", "full_attention"}:
+        raise ExportError(f"rope_parameters per layer type ({', '.join(sorted(rope))}) are not "
+                          f"supported for model_type {model_type!r}")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in STATIC_ROPE_TYPES:
+    if model_type == "phi3" and rope_type in ("longrope", "su"):
+        # transformers picks the short factors while the sequence fits the original context
+        # and the long ones (for every position, cached keys aside) beyond it: one table
+        # serves a cache only while the short ones always apply
+        original = rope.get("original_max_position_embeddings") or \
+            getattr(config, "original_max_position_embeddings", None)
+        if not isinstance(original, int) or capacity > original:
+            raise ExportError(f"rope_type {rope_type!r} with original_max_position_embeddings "
+                              f"{original} is supported for a capacity up to that only (the "
+                              f"long factors change every position's rotary); got capacity "
+                              f"{capacity}")
+    elif rope_type not in STATIC_ROPE_TYPES:
         raise ExportError(f"rope_type {rope_type!r} is not supported; supported: "
-                          f"{', '.join(STATIC_ROPE_TYPES)}")
+                          f"{', '.join(STATIC_ROPE_TYPES)}"
+                          + (", longrope (Phi-3)" if model_type == "phi3" else ""))
     heads = getattr(config, "num_attention_heads", 1)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     if head_dim % 16:
         raise ExportError(f"head_dim {head_dim} is not a multiple of 16, which onnxruntime's "
                           f"GroupQueryAttention requires")
-    if getattr(config, "use_sliding_window", False):
-        raise ExportError("sliding-window attention (use_sliding_window=true) is not supported")
-    window = getattr(config, "sliding_window", None)
-    if model_type == "mistral" and window is not None and window < capacity:
-        raise ExportError(f"sliding_window {window} is shorter than the capacity {capacity}; "
-                          f"sliding-window attention is not supported (export with "
-                          f"capacity <= {window})")
+    partial = float(rope.get("partial_rotary_factor", 1.0) or 1.0)
+    if int(head_dim * partial) % 16:
+        raise ExportError(f"partial_rotary_factor {partial} rotates {head_dim * partial:g} of "
+                          f"{head_dim} dimensions; the graph needs a multiple of 16")
+    if model_type in ("qwen2", "qwen3", "smollm3") and getattr(config, "use_sliding_window",
+                                                               False):
+        raise ExportError("use_sliding_window True is not supported for model_type "
+                          f"{model_type!r} (its sliding layers are not implemented)")
 
 
-def decoder_spec(model: Any) -> DecoderSpec:
+def _check_gemma(config: Any, *, capacity: int) -> None:
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ExportError(f"hidden_activation {act!r} is not supported (the Gemma MLP is "
+                          f"GeGLU with the tanh approximation)")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ExportError("use_bidirectional_attention True is not supported (the graph is "
+                          "causal)")
+    rope = _rope_parameters(config)
+    per_type = rope if set(rope) & {"sliding_attention", "full_attention"} else {"": rope}
+    for layer_type, params in per_type.items():
+        rope_type = params.get("rope_type", "default")
+        if rope_type not in STATIC_ROPE_TYPES:
+            where = f"rope_parameters[{layer_type!r}]" if layer_type else "rope_parameters"
+            raise ExportError(f"{where} rope_type {rope_type!r} is not supported; supported: "
+                              f"{', '.join(STATIC_ROPE_TYPES)}")
+    types = set(getattr(config, "layer_types", None) or ())
+    if not types <= {"sliding_attention", "full_attention"}:
+        raise ExportError(f"layer_types {sorted(types)} are not supported; supported: "
+                          f"sliding_attention, full_attention")
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if head_dim % 16:
+        raise ExportError(f"head_dim {head_dim} is not a multiple of 16, which onnxruntime's "
+                          f"GroupQueryAttention requires")
+
+
+def decoder_spec(model: Any, *, capacity: int | None = None) -> DecoderSpec:
+    """The graph's numbers from the loaded model. capacity: the KV capacity the graph is
+    built for; a sliding window at least that long never narrows anything and is left out."""
     config = model.config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -203,12 +305,37 @@ def decoder_spec(model: Any) -> DecoderSpec:
     embed = model.model.embed_tokens.weight
     lm_head = model.lm_head.weight
     tied = lm_head is embed or lm_head.data_ptr() == embed.data_ptr()
-    q = model.model.layers[0].self_attn.q_proj.weight
-    if tuple(q.shape) != (heads * head_dim, config.hidden_size):
-        raise ExportError(f"q_proj has shape {tuple(q.shape)}; expected "
-                          f"({heads * head_dim}, {config.hidden_size}) from the config")
+    family = MODEL_TYPES[config.model_type]
+    layers = model.model.layers
+    attn0 = layers[0].self_attn
+    q = attn0.qkv_proj.weight if family == "phi3" else attn0.q_proj.weight
+    q_rows = heads * head_dim + (2 * kv_heads * head_dim if family == "phi3" else 0)
+    if tuple(q.shape) != (q_rows, config.hidden_size):
+        raise ExportError(f"{'qkv_proj' if family == 'phi3' else 'q_proj'} has shape "
+                          f"{tuple(q.shape)}; expected ({q_rows}, {config.hidden_size}) from "
+                          f"the config")
+    window = getattr(config, "sliding_window", None) if family in ("llama", "phi3", *GEMMA) \
+        else None
+    windows: tuple[int, ...] = ()
+    if family in GEMMA and isinstance(window, int) and window > 0:
+        # the layers layer_types names sliding_attention, kept even where the window spans
+        # the capacity: Gemma 3's have their own rotary tables
+        windows = tuple(window if t == "sliding_attention" else 0
+                        for t in config.layer_types[:config.num_hidden_layers])
+    elif isinstance(window, int) and window > 0 and (capacity is None or window < capacity):
+        windows = (window,) * config.num_hidden_layers
+    gemma = family in GEMMA
+    scale = float(head_dim) ** -0.5
+    if gemma:
+        scale = float(config.query_pre_attn_scalar) ** -0.5
+    local_rope = family == "gemma3" and "sliding_attention" in _rope_parameters(config)
+    rope_layers: tuple[bool, ...] = ()
+    if family == "smollm3":
+        rope_layers = tuple(bool(x) for x in config.no_rope_layers[:config.num_hidden_layers])
+    partial = float(_rope_parameters(config).get("partial_rotary_factor", 1.0) or 1.0)
+    rotary_dim = int(head_dim * partial)
     return DecoderSpec(
-        family=MODEL_TYPES[config.model_type],
+        family=family,
         num_layers=config.num_hidden_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
@@ -218,5 +345,15 @@ def decoder_spec(model: Any) -> DecoderSpec:
         vocab_size=int(embed.shape[0]),
         rms_norm_eps=float(config.rms_norm_eps),
         tied_embeddings=bool(tied),
-        attention_scale=float(head_dim) ** -0.5,
+        attention_scale=scale,
+        qk_norm=family in ("qwen3", "gemma3"),
+        windows=windows,
+        rope_layers=rope_layers if not all(rope_layers) else (),
+        rotary_dim=rotary_dim if rotary_dim != head_dim else 0,
+        embed_scale=float(model.model.embed_tokens.embed_scale) if gemma else 1.0,
+        mlp_act="gelu_tanh" if gemma else "silu",
+        sandwich_norms=gemma,
+        attn_softcap=float(getattr(config, "attn_logit_softcapping", None) or 0.0),
+        final_softcap=float(getattr(config, "final_logit_softcapping", None) or 0.0),
+        local_rope=local_rope and any(windows),
     )

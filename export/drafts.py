@@ -163,7 +163,8 @@ def build_draft(directory: Path, checkpoint, target: mf.Manifest, options: Draft
     cos, sin = checkpoint.rope_tables(target.capacity)
     files = build_decoder(draft_spec, gopts, checkpoint.weight, cos, sin,
                           graph_path=directory / graph, data_path=directory / data,
-                          on_layer=on_layer)
+                          on_layer=on_layer,
+                          local_rope=checkpoint.local_rope_tables(target.capacity))
     shutil.copyfile(mf.safe_member(target_dir, target.tokenizer, what="manifest.tokenizer"),
                     directory / target.tokenizer)
     manifest = dataclasses.replace(

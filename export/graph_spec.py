@@ -21,7 +21,8 @@ ATTENTIONS = ("gqa", "standard")
 MIN_OPSET = {"gqa": 17, "standard": 24}
 MAX_OPSET = 24  # the newest ai.onnx opset checked against onnxruntime 1.32 here
 DEFAULT_OPSET = {"gqa": 21, "standard": 24}
-FAMILIES = ("llama", "qwen2")
+FAMILIES = mf.FAMILIES  # what the exporter builds is what a manifest may record
+MLP_ACTS = ("silu", "gelu_tanh")  # gate activation of the gated MLP
 NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
 # Canonical weight names. {i} is the layer index. Linear weights are [out, in].
@@ -34,6 +35,8 @@ WEIGHT_NAMES = (
     "layers.{i}.q_bias", "layers.{i}.k_bias", "layers.{i}.v_bias", "layers.{i}.o_bias",  # optional
     "layers.{i}.gate", "layers.{i}.up", "layers.{i}.down",
     "layers.{i}.gate_bias", "layers.{i}.up_bias", "layers.{i}.down_bias",  # optional
+    "layers.{i}.q_norm", "layers.{i}.k_norm",  # [head_dim], with DecoderSpec.qk_norm
+    "layers.{i}.post_attn_norm", "layers.{i}.post_mlp_norm",  # [hidden], with sandwich_norms
 )
 
 
@@ -41,7 +44,7 @@ WEIGHT_NAMES = (
 class DecoderSpec:
     """The numbers that shape the graph; sources.py reads them from the checkpoint's config."""
 
-    family: str  # "llama" or "qwen2"
+    family: str  # one of FAMILIES
     num_layers: int
     num_heads: int
     num_kv_heads: int
@@ -52,6 +55,42 @@ class DecoderSpec:
     rms_norm_eps: float
     tied_embeddings: bool
     attention_scale: float  # multiplies q.k; 1/sqrt(head_dim) for every supported family
+    # per-head RMSNorm (weights layers.{i}.q_norm, .k_norm) on q and k before the rotary (Qwen3)
+    qk_norm: bool = False
+    # per layer, the sliding window W: a query sees itself and the W - 1 positions before it;
+    # 0 is full attention; () means every layer attends fully (Mistral gives each layer one W)
+    windows: tuple[int, ...] = ()
+    # per layer, whether the rotary embedding applies; () means every layer (SmolLM3's NoPE
+    # layers are False)
+    rope_layers: tuple[bool, ...] = ()
+    rotary_dim: int = 0  # dimensions of each head that rotate (partial rotary); 0 is head_dim
+    # Gemma: the embedding times a constant (sqrt(hidden)), GeGLU (tanh-approximated GELU),
+    # RMSNorms after attention and after the MLP too, soft-capping c * tanh(x / c) of the
+    # attention scores and of the logits (0: none), and sliding layers with their own rotary
+    # tables (graph inputs rope_cos_local, rope_sin_local; Gemma 3's local base)
+    embed_scale: float = 1.0
+    mlp_act: str = "silu"
+    sandwich_norms: bool = False
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    local_rope: bool = False
+
+    def window(self, i: int) -> int:
+        """Layer i's sliding window in tokens, or 0 for full attention."""
+        return self.windows[i] if self.windows else 0
+
+    def uses_rope(self, i: int) -> bool:
+        return self.rope_layers[i] if self.rope_layers else True
+
+    def rope_tables(self, i: int) -> tuple[str, str]:
+        """The cos, sin initializers layer i rotates with."""
+        if self.local_rope and self.window(i):
+            return "rope_cos_local", "rope_sin_local"
+        return "rope_cos", "rope_sin"
+
+    @property
+    def rotary_dims(self) -> int:
+        return self.rotary_dim or self.head_dim
 
     def architecture(self) -> mf.Architecture:
         return mf.Architecture(

@@ -15,6 +15,12 @@ The "standard" flavour (for TensorRT) replaces the contrib ops with ONNX opset-2
 (RMSNormalization + Add, RotaryEmbedding, TensorScatter, Attention); see attention.py. The
 pieces both flavours share are builder.py's `GraphBuilder`.
 
+The other families are this layout with per-layer options from the `DecoderSpec`: per-head
+q/k RMSNorms (Qwen3, Gemma 3), sliding windows (GQA's local_window_size, or a banded mask in
+the standard flavour; Mistral, Phi-3, Gemma), layers without rotary (SmolLM3), partial rotary
+(Phi-3), and Gemma's scaled embedding, GeGLU, norms after attention and MLP, soft-capping and
+local rotary tables. With none of them set the graph is the one above, node for node.
+
 Weights arrive under canonical names (`graph_spec.WEIGHT_NAMES`), already float32 NumPy, so this
 module needs neither torch nor transformers. Linear weights are given as [out, in] (the PyTorch
 layout) and stored transposed, [in, out], as MatMul wants them; a tied LM head is a Gemm with
@@ -35,7 +41,7 @@ from ortspec.runtime import manifest as mf
 
 from .attention import FLAVOURS
 from .builder import GetWeight, GraphBuilder
-from .graph_spec import MS, DecoderSpec, GraphOptions, check_opset
+from .graph_spec import MS, NUMPY_DTYPES, DecoderSpec, GraphOptions, check_opset
 from .onnx_writer import ExternalDataWriter, NodeList
 
 ONNX_DTYPES = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}
@@ -53,15 +59,22 @@ class GraphFiles:
 
 def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeight,
                   rope_cos: np.ndarray, rope_sin: np.ndarray, *, graph_path: Path,
-                  data_path: Path, on_layer: Callable[[int], None] | None = None) -> GraphFiles:
+                  data_path: Path, on_layer: Callable[[int], None] | None = None,
+                  local_rope: tuple[np.ndarray, np.ndarray] | None = None) -> GraphFiles:
     """Write `graph_path` and its weights `data_path` (same directory).
 
-    rope_cos, rope_sin: [capacity, head_dim // 2] float32, cos/sin of position * inv_freq
-    (times the RoPE attention scaling), exactly as the PyTorch model computes them.
+    rope_cos, rope_sin: [capacity, rotary_dims // 2] float32 (rotary_dims = head_dim unless
+    the rotary is partial), cos/sin of position * inv_freq (times the RoPE attention scaling),
+    exactly as the PyTorch model computes them. local_rope: the same for the sliding layers,
+    when spec.local_rope says they have their own (Gemma 3).
     """
-    if rope_cos.shape != (options.capacity, spec.head_dim // 2) or rope_sin.shape != rope_cos.shape:
-        raise ValueError(f"rope caches must be [{options.capacity}, {spec.head_dim // 2}], "
-                         f"got {rope_cos.shape} and {rope_sin.shape}")
+    half = spec.rotary_dims // 2
+    tables = [rope_cos, rope_sin, *(local_rope or ())]
+    if any(t.shape != (options.capacity, half) for t in tables):
+        raise ValueError(f"rope caches must be [{options.capacity}, {half}], "
+                         f"got {', '.join(str(t.shape) for t in tables)}")
+    if spec.local_rope != (local_rope is not None):
+        raise ValueError("local_rope tables are needed exactly when spec.local_rope is set")
     check_opset(options.attention, options.opset)
     if options.quant is not None and options.attention != "gqa":
         raise ValueError("quantized weights (MatMulNBits, a com.microsoft op) need the gqa "
@@ -71,8 +84,14 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
         b = GraphBuilder(spec, options, get_weight, writer)
         b.add_tensor("rope_cos", rope_cos)
         b.add_tensor("rope_sin", rope_sin)
+        if local_rope is not None:
+            b.add_tensor("rope_cos_local", local_rope[0])
+            b.add_tensor("rope_sin_local", local_rope[1])
         context = flavour.preamble(b)
         x = b.embedding()  # [1, S, hidden]
+        if spec.embed_scale != 1.0:  # Gemma: times sqrt(hidden), in the weights' dtype
+            x = b.g.op1("Mul", [x, b.g.const("embed_scale", np.array(
+                spec.embed_scale, NUMPY_DTYPES[options.dtype]))])
         residual = None
         for i in range(spec.num_layers):
             p = f"layers.{i}."
@@ -81,6 +100,8 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
                            [p + "q_bias", p + "k_bias", p + "v_bias"], fused=p + "qkv")
             attn = flavour.attention(b, i, qkv, context)  # [1, S, heads * head_dim]
             o = b.linear(attn, [p + "o"], [p + "o_bias"])
+            if spec.sandwich_norms:
+                o, _ = b.norm(o, None, p + "post_attn_norm")
             h, residual = b.norm(o, residual, p + "mlp_norm")
             if options.quant is None:
                 gate = b.linear(h, [p + "gate"], [p + "gate_bias"])
@@ -91,8 +112,10 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
                 half = b.g.const("gate_up_split", np.array([spec.intermediate_size] * 2,
                                                            np.int64))
                 gate, up = b.g.op("Split", [gate_up, half], 2, axis=-1)
-            act = b.g.op1("Mul", [b.g.op1("Mul", [gate, b.g.op1("Sigmoid", [gate])]), up])
-            x = b.linear(act, [p + "down"], [p + "down_bias"])  # SiLU(gate) * up -> down
+            act = b.g.op1("Mul", [_activation(b, gate), up])
+            x = b.linear(act, [p + "down"], [p + "down_bias"])  # act(gate) * up -> down
+            if spec.sandwich_norms:
+                x, _ = b.norm(x, None, p + "post_mlp_norm")
             if on_layer is not None:
                 on_layer(i)
         h, _ = b.norm(x, residual, "norm")
@@ -103,6 +126,17 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
     graph_path.write_bytes(model.SerializeToString())
     return GraphFiles(graph=graph_path, data=data_path, weight_bytes=weight_bytes,
                       quantized=tuple(b.quantized), float_linear=tuple(b.float_linear))
+
+
+def _activation(b: GraphBuilder, gate: str) -> str:
+    """The MLP's gate activation: SiLU as x * sigmoid(x), or GELU with the tanh approximation
+    (ONNX Gelu from opset 20, onnxruntime's FastGelu below that)."""
+    g = b.g
+    if b.spec.mlp_act == "silu":
+        return g.op1("Mul", [gate, g.op1("Sigmoid", [gate])])
+    if b.options.opset >= 20:
+        return g.op1("Gelu", [gate], approximate="tanh")
+    return g.op1("FastGelu", [gate], domain=MS)
 
 
 def _make_model(spec: DecoderSpec, options: GraphOptions, g: NodeList,

@@ -36,18 +36,27 @@ if TYPE_CHECKING:
 
 DEFAULT_RECIPE = "smollm2-135m-instruct"
 # Hugging Face `model_type` / GGUF `general.architecture` -> the graph family
-MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+               "smollm3": "smollm3", "phi3": "phi3", "gemma2": "gemma2",
+               "gemma3_text": "gemma3"}
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
-                 "Qwen2ForCausalLM": "qwen2"}
-SUPPORTED = ("LlamaForCausalLM (Llama, SmolLM), MistralForCausalLM, Qwen2ForCausalLM; "
-             "GGUF files of architecture 'llama', 'mistral' or 'qwen2'")
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "SmolLM3ForCausalLM": "smollm3", "Phi3ForCausalLM": "phi3",
+                 "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+# GGUF architectures transformers reads and this exporter implements
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                      "phi3": "phi3"}
+SUPPORTED = ("LlamaForCausalLM (Llama 2/3.x, SmolLM), MistralForCausalLM, Qwen2ForCausalLM "
+             "(Qwen2, Qwen2.5), Qwen3ForCausalLM, SmolLM3ForCausalLM, Phi3ForCausalLM, "
+             "Gemma2ForCausalLM, Gemma3ForCausalLM (text); GGUF "
+             "files of architecture 'llama', 'mistral', 'qwen2', 'qwen3' or 'phi3'")
 
 
 @dataclasses.dataclass(frozen=True)
 class Source:
     kind: str  # "hf" (a model directory), "gguf" (one file), or "default" (a recipe)
     path: Path  # the directory, or the .gguf file (for "default": where it is cached)
-    family: str  # "llama" or "qwen2"
+    family: str  # graph_spec.FAMILIES
     name: str  # a short name for the default output directory
     recipe: dict[str, Any] | None = None  # the recipe JSON for kind "default"
 
@@ -124,10 +133,10 @@ def identify_source(source: str | os.PathLike | None) -> Source:
             raise ExportError(f"{str(path)!r} is a file but not a .gguf; give a Hugging Face model "
                               f"directory or a .gguf file")
         arch = gguf_architecture(path)
-        if arch not in MODEL_TYPES:
+        if arch not in GGUF_ARCHITECTURES:
             raise ExportError(f"{path.name}: GGUF architecture {arch!r} is not supported; "
                               f"supported: {SUPPORTED}")
-        return Source("gguf", path, MODEL_TYPES[arch], path.stem)
+        return Source("gguf", path, GGUF_ARCHITECTURES[arch], path.stem)
     raise ExportError(f"source {str(path)!r} does not exist (give a Hugging Face model directory, "
                       f"a .gguf file, or nothing for the default model)")
 

@@ -42,9 +42,12 @@ DTYPES = ("fp32", "fp16")
 ENTRY_POINTS = ("step", "verify")
 
 
+# architectures an export may record ("llama" covers Llama 2/3, SmolLM and Mistral)
+FAMILIES = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3")
+
 @dataclasses.dataclass(frozen=True)
 class Architecture:
-    family: str  # "llama" (Llama, SmolLM, Mistral) or "qwen2" (llama with q/k/v bias)
+    family: str  # one of FAMILIES: the architecture the graph was built from
     num_layers: int
     num_heads: int
     num_kv_heads: int
@@ -176,8 +179,8 @@ def parse_manifest(data: Any) -> Manifest:
     a = _get(data, "architecture", dict, "manifest")
     w = "manifest.architecture"
     family = _get(a, "family", str, w)
-    if family not in ("llama", "qwen2"):
-        raise ManifestError(f"{w}.family = {family!r}; supported: 'llama', 'qwen2'")
+    if family not in FAMILIES:
+        raise ManifestError(f"{w}.family = {family!r}; supported: {', '.join(map(repr, FAMILIES))}")
     arch = Architecture(
         family=family,
         num_layers=_int_in(a, "num_layers", 1, 1024, w),
