@@ -141,9 +141,7 @@ def _claim(**objects: object) -> Iterator[None]:
                     f"this {name} ({type(obj).__name__}) is in use by another decode that has "
                     f"not finished; each concurrent request needs its own (Model.generate and "
                     f"Model.stream give every request its own decoder, drafter and policy)")
-        ids = {id(obj) for obj in items.values()}
-        if len(ids) < len(items):
-            raise ConcurrentUseError("one object was passed as two of decoder, drafter, policy")
+        ids = {id(obj) for obj in items.values()}  # one object may play two parts
         _claimed.update(ids)
     try:
         yield
@@ -160,19 +158,22 @@ def plain_decode(
 
 
 def plain_decode_steps(
-    decoder: Decoder, prompt: Sequence[int], options: SpeculativeOptions
+    decoder: Decoder, prompt: Sequence[int], options: SpeculativeOptions, *,
+    counters: DecodeCounters | None = None,
 ) -> Generator[list[int], None, SpeculativeDecodeResult]:
-    """`plain_decode` as a generator of emitted tokens; returns the result."""
+    """`plain_decode` as a generator of emitted tokens; returns the result. `counters` (a fresh
+    one by default) is filled in as the decode goes, so a caller that stops early still has
+    the counts so far."""
     prompt = _check_prompt(decoder, prompt, options)
     with _claim(decoder=decoder):
-        return (yield from _plain_steps(decoder, prompt, options))
+        counters = counters if counters is not None else DecodeCounters()
+        return (yield from _plain_steps(decoder, prompt, options, counters))
 
 
-def _plain_steps(decoder: Decoder, prompt: list[int], options: SpeculativeOptions
-                 ) -> Generator[list[int], None, SpeculativeDecodeResult]:
+def _plain_steps(decoder: Decoder, prompt: list[int], options: SpeculativeOptions,
+                 counters: DecodeCounters) -> Generator[list[int], None, SpeculativeDecodeResult]:
     t_start = time.perf_counter()
     ort_start = decoder.ort_seconds
-    counters = DecodeCounters()
     rng = np.random.default_rng(options.seed)
     stops = frozenset(options.stop_token_ids)
     pending = _prefill(decoder, prompt, counters)
@@ -254,8 +255,8 @@ def speculative_decode_steps(
             f"methods (subclass ortspec.runtime.DrafterBase for a begin that does nothing); got "
             f"{type(drafter).__name__}")
     with _claim(decoder=decoder, drafter=drafter, policy=draft_length):
-        return (yield from _speculative_steps(decoder, prompt, drafter, options, draft_length,
-                                              counters or DecodeCounters()))
+        counters = counters if counters is not None else DecodeCounters()
+        return (yield from _speculative_steps(decoder, prompt, drafter, options, draft_length, counters))
 
 
 def _speculative_steps(decoder: Decoder, prompt: list[int], drafter: Drafter,

@@ -269,15 +269,16 @@ def test_the_default_model_serves_interleaved_and_threaded_requests_exactly():
     assert [got.get(i) for i in range(len(cases))] == serial
 
 
-def test_a_stream_closed_early_keeps_its_tokens_and_counts(tiny):
+@pytest.mark.parametrize("drafter", ["prompt-lookup", None])
+def test_a_stream_closed_early_keeps_its_tokens_and_counts(tiny, drafter):
     """What a server needs after a stop string or a client gone: the tokens and counters so far."""
-    s = tiny.stream(PROMPTS[0], options=_options(0.0, None))
+    s = tiny.stream(PROMPTS[0], drafter=drafter, options=_options(0.0, None))
     it = iter(s)
     for _ in range(3):
         next(it)
     it.close()
     assert s.result is None and tiny.slots.in_use == 0
-    full = tiny.generate(PROMPTS[0], options=_options(0.0, None)).tokens
+    full = tiny.generate(PROMPTS[0], drafter=drafter, options=_options(0.0, None)).tokens
     assert s.tokens and s.tokens == full[:len(s.tokens)]
     assert s.counters.emitted == len(s.tokens)
     assert s.counters.target_calls >= 3
