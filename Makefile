@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[export,test,bench,serve]'
+	$(BIN)/pip install --quiet -e '.[export,test,bench,serve,ray]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -35,7 +35,7 @@ RUNTIME = "ortspec.runtime"
 UPPER_TIERS = ("ortspec.export", "ortspec.bench")
 RUNTIME_DEPENDENCIES = {"numpy", "onnxruntime", "tokenizers"}  # pyproject's `dependencies`
 SERVE = "ortspec.runtime.serve"
-SERVE_DEPENDENCIES = {"fastapi", "starlette", "uvicorn", "prometheus_client",
+SERVE_DEPENDENCIES = {"fastapi", "starlette", "uvicorn", "prometheus_client", "ray",
                       "jinja2", "pydantic", "anyio"}  # pyproject's `serve` extra and theirs
 EXPORT_ONLY = {"torch", "transformers", "gguf", "accelerate", "onnx", "onnxscript", "tqdm",
                "safetensors", "huggingface_hub", "matplotlib", "scipy"}

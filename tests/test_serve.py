@@ -1,12 +1,15 @@
 """`ortspec serve`: the OpenAI-compatible server.
 
 Fast tests check the pieces without a model: request checking (OpenAI's error shape, with the
-field, the value and what is allowed), stop strings across piece boundaries, the admission
-queue. The slow tests start the server in a subprocess on the real default model and talk to
-it with the official `openai` client and raw HTTP: temperature-0 (and seeded) text equal to
-`Model.generate` in-process, malformed requests answered 4xx while the server keeps serving,
-concurrent clients, a client that disconnects mid-stream (its slot is freed), a full queue
-(503 + Retry-After) and SIGTERM during a stream (the stream finishes, exit status 0).
+field, the value and what is allowed), stop strings across piece boundaries and the tokens they
+end after, the admission queue. The slow tests start the server in a subprocess on the real
+default model and talk to it with the official `openai` client and raw HTTP: temperature-0 (and
+seeded) text equal to `Model.generate` in-process, a stop string's exact usage and speculative
+section, malformed requests answered 4xx while the server keeps serving, concurrent clients, a
+client that disconnects mid-stream or before a non-streamed answer (the decode stops and its
+slot is freed), a full queue (503 + Retry-After) and SIGTERM during a stream (the stream
+finishes, exit status 0); and, with Ray installed, two Ray Serve replicas through the openai
+client.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed")
 from ortspec.runtime.manifest import ChatFormat  # noqa: E402
 from ortspec.runtime.serve.engine import Admission, QueueFull  # noqa: E402
 from ortspec.runtime.serve.protocol import ApiError, ModelInfo, parse_chat, parse_completion  # noqa: E402
-from ortspec.runtime.serve.stops import StopMatcher  # noqa: E402
+from ortspec.runtime.serve.stops import StopMatcher, tokens_through  # noqa: E402
 
 # -- without a model ------------------------------------------------------------------------------
 
@@ -113,6 +116,22 @@ def test_stop_strings_match_across_pieces_and_are_not_emitted():
     assert m.feed("xab") == "x" and m.feed("cd") == ""  # "abcd" begins before "bc": it wins
 
 
+def test_a_stop_names_the_text_through_it_and_the_tokens_that_made_that_text():
+    m = StopMatcher(["END", "\n\n"])
+    for piece in ("He", "llo E", "ND and more"):
+        m.feed(piece)
+    assert m.stopped and m.through == "Hello END"
+    m = StopMatcher(["bc", "b"])
+    assert m.feed("abcd") == "a" and m.through == "ab"  # same start: the shorter one ends first
+    vocab = {1: "He", 2: "llo", 3: " E", 4: "N", 5: "D a", 6: "nd", 7: "\ufffd"}
+    decode = lambda ids: "".join(vocab[i] for i in ids)  # noqa: E731
+    tokens = [1, 2, 3, 4, 5, 6]  # token 5 ("D a") completes "END"; token 6 comes after it
+    assert tokens_through(decode, tokens, "Hello END") == 5
+    assert tokens_through(decode, tokens, "Hello E") == 3
+    assert tokens_through(decode, tokens, "He") == 1 and tokens_through(decode, tokens, "") == 0
+    assert tokens_through(decode, [1, 7], "He\ufffdx") == 2  # no prefix fits: all of them
+
+
 def test_admission_runs_then_queues_then_refuses_and_hands_places_on_in_order():
     async def scenario():
         adm = Admission(max_running=1, max_waiting=1)
@@ -145,6 +164,25 @@ def test_serve_without_the_extra_names_the_install_command():
     assert p.returncode == 2 and "pip install 'ortspec[serve]'" in p.stderr, p.stderr
 
 
+def test_ray_options_are_checked_before_anything_loads():
+    from ortspec.runtime.cli import main
+
+    assert main(["serve", "--replicas", "2"]) == 2  # --replicas without --ray
+    assert main(["serve", "--ray", "--replicas", "0"]) == 2
+    pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'ortspec[ray]')")
+    from ortspec.runtime.errors import InvalidOptionError
+    from ortspec.runtime.serve import ray_app
+
+    with pytest.raises(InvalidOptionError, match="unknown argument.*replica\\b"):
+        ray_app.build({"model": "/m", "replica": "2"})
+    with pytest.raises(InvalidOptionError, match="model=DIR is required"):
+        ray_app.build({"replicas": "2"})
+    with pytest.raises(InvalidOptionError, match="replicas must be int, got 'two'"):
+        ray_app.build({"model": "/m", "replicas": "two"})
+    app = ray_app.build({"model": "/models/m", "replicas": "3", "threads": "2"})  # no Ray needed
+    assert type(app).__name__ == "Application"
+
+
 # -- the server on the real model -----------------------------------------------------------------
 
 MAX_TOKENS = 16
@@ -159,17 +197,19 @@ def _free_port() -> int:
 class Server:
     """`ortspec serve` in a subprocess on 127.0.0.1, ready once /health answers."""
 
-    def __init__(self, model_dir: Path, *args: str) -> None:
+    def __init__(self, model_dir: Path, *args: str, env: dict[str, str] | None = None,
+                 ready_s: float = 120, stop_s: float = 30) -> None:
         import httpx
 
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.stop_s = stop_s
         self.log = open(Path(os.environ.get("ORTSPEC_CACHE_DIR", "/tmp")) / f"serve-{self.port}.log", "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ortspec.runtime.cli", "serve", "--model", str(model_dir),
              "--port", str(self.port), "--log-level", "warning", *args],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + ready_s
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"the server exited: {self.output()}"
             try:
@@ -184,11 +224,13 @@ class Server:
         self.log.seek(0)
         return self.log.read()[-4000:]
 
-    def metric(self, name: str) -> float:
+    def metric(self, name: str, default: float | None = None) -> float:
         import httpx
 
         text = httpx.get(self.url + "/metrics", timeout=10).text
         m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+        if m is None and default is not None:
+            return default
         assert m, f"{name} not in /metrics"
         return float(m.group(1))
 
@@ -196,7 +238,7 @@ class Server:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(30)
+                self.proc.wait(self.stop_s)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self.log.close()
@@ -288,6 +330,51 @@ def test_openai_client_chat_and_completions_equal_in_process_generate(client, mo
     assert "".join(c.choices[0].text for c in streamed) == want.text[:want.text.index(stop)]
 
     assert [m.id for m in client.models.list().data] == [NAME]
+
+
+@pytest.mark.slow
+def test_a_stop_string_reports_the_exact_usage_and_the_speculative_section(client, model):
+    prompt = "Count from one to twenty in words: one, two, three,"
+    want = _generate(model, prompt, max_tokens=32)
+    stop = " seven"
+    assert stop in want.text, want.text
+    through = want.text[:want.text.index(stop) + len(stop)]
+    # the answer's tokens: those up to the one that completed the stop string
+    n = next(k for k in range(len(want.tokens) + 1) if model.decode(want.tokens[:k]).startswith(through))
+    assert n < len(want.tokens)
+    generated_before = _metric_total(client, "vllm:generation_tokens_total")
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=32, temperature=0, stop=stop)
+    assert r.choices[0].text == want.text[:want.text.index(stop)] and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == n and r.usage.prompt_tokens == len(model.encode(prompt))
+    spec = r.model_extra["speculative"]
+    assert spec is not None and spec["drafter"] == "prompt-lookup"
+    assert spec["target_calls"] >= 1 and spec["drafted_tokens"] >= spec["accepted_tokens"]
+    # the last step may have emitted past the stop: decoded and counted, not answered
+    assert n <= spec["emitted_tokens"] <= n + 16
+    assert spec["emitted_tokens"] <= spec["accepted_tokens"] + spec["target_calls"]
+    assert _metric_total(client, "vllm:generation_tokens_total") - generated_before == n
+
+    chunks = list(client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": QUESTION}], max_tokens=MAX_TOKENS,
+        temperature=0, stop=["\n", ","], stream=True, stream_options={"include_usage": True}))
+    want = _generate(model, [{"role": "user", "content": QUESTION}])
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    cut = min(i for i in (want.text.find("\n"), want.text.find(","), len(want.text)) if i >= 0)
+    assert text == want.text[:cut]
+    last = chunks[-1]
+    if cut < len(want.text):  # a stop string ended it
+        n = next(k for k in range(len(want.tokens) + 1)
+                 if model.decode(want.tokens[:k]).startswith(want.text[:cut + 1]))
+        assert last.usage.completion_tokens == n
+        assert last.model_extra["speculative"]["emitted_tokens"] >= n
+
+
+def _metric_total(client, name: str) -> float:
+    import httpx
+
+    text = httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics", timeout=10).text
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
 
 
 @pytest.mark.slow
@@ -387,6 +474,33 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
 
 
 @pytest.mark.slow
+def test_a_non_streaming_client_that_disconnects_is_cancelled_within_a_step(server):
+    aborted = 'vllm:request_success_total{finished_reason="abort"}'
+    before = server.metric(aborted, default=0.0)
+    generated = server.metric("vllm:generation_tokens_total", default=0.0)
+    body = json.dumps({"model": NAME, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 1500,
+                       "temperature": 0}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        t0 = time.monotonic()
+        while server.metric("vllm:num_requests_running") != 1:
+            assert time.monotonic() - t0 < 30, "the request never started"
+            time.sleep(0.05)
+        time.sleep(0.5)  # decoding: 1500 tokens would take most of a minute
+    t0 = time.monotonic()
+    while server.metric("vllm:num_requests_running") != 0:
+        assert time.monotonic() - t0 < 5, "the disconnected request kept decoding"
+        time.sleep(0.05)
+    assert server.metric(aborted) == before + 1
+    assert 0 < server.metric("vllm:generation_tokens_total") - generated < 500
+    r = __import__("httpx").post(server.url + "/v1/completions", json={
+        "model": NAME, "prompt": "Hi", "max_tokens": 2, "temperature": 0}, timeout=60)
+    assert r.status_code == 200
+
+
+@pytest.mark.slow
 def test_a_full_queue_is_503_and_sigterm_lets_the_running_stream_finish(model_dir):
     import httpx
 
@@ -406,5 +520,57 @@ def test_a_full_queue_is_503_and_sigterm_lets_the_running_stream_finish(model_di
         finish = json.loads(rest[-2].removeprefix("data: "))["choices"][0]["finish_reason"]
         assert finish in ("length", "stop")
         assert s.proc.wait(30) == 0, s.output()
+    finally:
+        s.stop()
+
+
+@pytest.mark.slow
+def test_ray_serve_two_replicas_answer_through_the_openai_client(model_dir, model):
+    """`ortspec serve --ray`: two replicas of one thread each behind Ray Serve's HTTP proxy, the
+    same routes and answers; SIGTERM takes the application down and exits 0."""
+    pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'ortspec[ray]')")
+    import httpx
+    import openai
+
+    s = Server(model_dir, "--ray", "--replicas", "2", "--threads", "1", "--max-concurrent", "2",
+               env={"RAY_USAGE_STATS_ENABLED": "0"}, ready_s=300, stop_s=120)
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == [NAME]
+        prompts = ["Name a fruit.", "What is 3 + 4?"]
+        jobs = [(p, stream) for p in prompts for stream in (False, True)]
+        got: dict[int, str] = {}
+        errors: list[BaseException] = []
+
+        def ask(i: int) -> None:
+            p, stream = jobs[i]
+            kw = dict(model=NAME, messages=[{"role": "user", "content": p}], max_tokens=8,
+                      temperature=0)
+            try:
+                if stream:
+                    got[i] = "".join(c.choices[0].delta.content or "" for c in
+                                     client.chat.completions.create(stream=True, **kw) if c.choices)
+                else:
+                    r = client.chat.completions.create(**kw)
+                    assert r.model_extra["speculative"]["target_calls"] >= 1
+                    got[i] = r.choices[0].message.content
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(jobs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+        for i, (p, _) in enumerate(jobs):
+            assert got[i] == _generate(model, [{"role": "user", "content": p}], max_tokens=8).text
+        pids = {httpx.get(s.url + "/health", timeout=10).json()["pid"] for _ in range(24)}
+        assert len(pids) == 2, pids  # both replicas answer
+        r = httpx.post(s.url + "/v1/completions", json={"model": NAME, "prompt": "a", "top_p": 3},
+                       timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(120) == 0, s.output()
     finally:
         s.stop()

@@ -3,7 +3,8 @@
     POST /v1/chat/completions   messages through the model's chat format; stream or not
     POST /v1/completions        a prompt string or a list of token ids; stream or not
     GET  /v1/models             the one model served
-    GET  /health                200 {"status": "ok", ...} while the server runs
+    GET  /health                200 {"status": "ok", ...} while the server runs (with the
+                                process id: behind Ray Serve, which replica answered)
     GET  /metrics               Prometheus text (see metrics.py)
 
 Request bodies are read as raw JSON and checked by `protocol` (OpenAI's error shape, with the
@@ -14,11 +15,13 @@ its traceback and answered with a generic 500, and the server keeps serving.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
+import os
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -43,6 +46,7 @@ from .protocol import (
 from .sse import DONE, EventStreamResponse
 
 log = logging.getLogger("ortspec.serve")
+T = TypeVar("T")
 RETRY_AFTER_SECONDS = 1
 
 
@@ -94,7 +98,7 @@ def create_app(model: Any, *, model_name: str, drafter: str = "prompt-lookup",
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": model_name, "running": engine.admission.running,
-                "waiting": engine.admission.waiting}
+                "waiting": engine.admission.waiting, "pid": os.getpid()}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -120,9 +124,13 @@ def create_app(model: Any, *, model_name: str, drafter: str = "prompt-lookup",
         if req.stream:
             return EventStreamResponse(_stream(engine, req, ticket, arrived, ids, drafter))
         try:
-            return JSONResponse(await _complete(engine, req, ticket, arrived, ids, drafter))
+            body = await _unless_disconnected(
+                request, _complete(engine, req, ticket, arrived, ids, drafter))
         except OrtspecError as e:
             raise _runtime_error(e) from None
+        if body is None:  # nobody is listening; the decode stopped and gave its slot back
+            return Response(status_code=499)
+        return JSONResponse(body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -135,22 +143,43 @@ def create_app(model: Any, *, model_name: str, drafter: str = "prompt-lookup",
     return app
 
 
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None if the client disconnected first: then `work` is cancelled
+    (waiting for a place, it leaves the queue; decoding, its worker stops after the step in
+    progress). The request body has been read, so the next ASGI message is the disconnect."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task  # its cleanup (the cancel flag, the admission place) has run
+            log.info("client disconnected: %s %s cancelled", request.method, request.url.path)
+    if task.cancelled():
+        return None
+    return task.result()
+
+
 async def _complete(engine: Engine, req: GenerationRequest, ticket: Any, arrived: float,
                     ids: ResponseIds, drafter: str) -> dict[str, Any]:
-    texts: list[str] = []
     outcome: Outcome | None = None
     events = engine.run(req, ticket, arrived)
     try:
-        async for item in events:
-            if isinstance(item, Piece):
-                texts.append(item.text)
-            else:
-                outcome = item
+        async for item in events:  # not streamed: only the outcome, with the text
+            outcome = item
     finally:
         await events.aclose()
         ticket.abandon()
-    assert outcome is not None
-    return response_body(ids, "".join(texts), outcome.finish_reason, len(req.prompt_ids),
+    assert isinstance(outcome, Outcome) and outcome.text is not None
+    return response_body(ids, outcome.text, outcome.finish_reason, len(req.prompt_ids),
                          outcome.completion_tokens,
                          speculative_section(outcome.counters, drafter))
 

@@ -2,10 +2,12 @@
 
     ortspec serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--max-concurrent 4]
                   [--max-queue 64] [--drafter prompt-lookup|none|...] [--threads N]
+                  [--ray --replicas N [--ray-address ADDR]]
 
 The model is loaded, and the cost model's curve read or measured, before the port opens, so
 the first request is not slower than the rest. SIGTERM or Ctrl-C: stop accepting, let running
-requests finish, exit 0.
+requests finish, exit 0. With --ray the same app runs on Ray Serve (`ray_app.py`): --replicas
+copies, each loading the model, behind Ray Serve's HTTP proxy on --host/--port.
 """
 
 from __future__ import annotations
@@ -43,6 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                "model directory's name)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    ray = p.add_argument_group("Ray Serve (pip install 'ortspec[ray]')")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve through Ray Serve, the model loaded once per replica")
+    ray.add_argument("--replicas", type=int, default=None,
+                     help="replicas with --ray (default 1); each takes --threads CPUs")
+    ray.add_argument("--ray-address", default=None,
+                     help="a running Ray cluster (e.g. auto); default: start Ray on this machine")
     return p
 
 
@@ -52,6 +61,10 @@ def _check(args: argparse.Namespace) -> None:
     check_int("--max-queue", args.max_queue, minimum=0)
     if args.threads is not None:
         check_int("--threads", args.threads, minimum=0, what=" (0 = onnxruntime's default)")
+    if not args.ray and (args.replicas is not None or args.ray_address is not None):
+        raise InvalidOptionError("--replicas and --ray-address are used only with --ray")
+    if args.replicas is not None:
+        check_int("--replicas", args.replicas, minimum=1)
     if args.draft is not None and args.drafter not in NEEDS_DRAFT_MODEL:
         raise InvalidOptionError(f"--draft is used only with a draft-model drafter, not "
                                  f"{args.drafter!r}")
@@ -64,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     _check(args)
     path = model_arg(args.model)
     needs_draft = args.drafter in NEEDS_DRAFT_MODEL
+    if args.ray:
+        return _serve_on_ray(args, path, needs_draft)
     model = load_model(path, providers=providers_arg(args.providers), threads=args.threads,
                        draft=(args.draft or True) if needs_draft else None,
                        max_concurrent=args.max_concurrent, when_busy="wait",
@@ -86,3 +101,19 @@ def main(argv: list[str] | None = None) -> int:
     if not server.started:
         raise OrtspecError(f"the server did not start on {args.host}:{args.port} (see the log)")
     return 0
+
+
+def _serve_on_ray(args: argparse.Namespace, path: os.PathLike, needs_draft: bool) -> int:
+    try:
+        from . import ray_app
+    except ImportError as e:
+        if (e.name or "").partition(".")[0] != "ray":
+            raise
+        raise OrtspecError(f"--ray needs Ray Serve: pip install 'ortspec[ray]' ({e})") from None
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
+    app = ray_app.application(
+        path, replicas=args.replicas or 1, model_name=args.served_model_name,
+        drafter=args.drafter, threads=args.threads, providers=providers_arg(args.providers),
+        draft=(args.draft or True) if needs_draft else None,
+        max_concurrent=args.max_concurrent, max_queue=args.max_queue)
+    return ray_app.run(app, host=args.host, port=args.port, address=args.ray_address)

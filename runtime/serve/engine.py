@@ -3,9 +3,14 @@
 The event loop never decodes. A request takes a place in `Admission` (running up to
 `max_running`, then waiting up to `max_waiting`, else `QueueFull`), then one worker thread runs
 its whole decode (`Model.stream`, with stop strings matched on the text) and hands each piece
-of text back to the loop. When the client goes away the consumer sets the request's cancel
-event; the worker stops after the step in progress and closes the stream, which gives the
-model's decode slot back, and only then is the place in `Admission` released.
+of text back to the loop (pieces that arrive while the loop is busy go out as one; a request
+not streamed gets its whole text at the end, waking the loop once). When the client goes away
+the consumer sets the request's cancel event; the worker stops after the step in progress and
+closes the stream, which gives the model's decode slot back, and only then is the place in
+`Admission` released.
+
+A decode cut short (a stop string, a client gone) still reports what it did: the stream's
+`.tokens` and `.counters` hold what was emitted and counted up to the close.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any, AsyncIterator, Callable
 from ..counters import DecodeCounters
 from .metrics import ServerMetrics
 from .protocol import GenerationRequest, finish_reason
-from .stops import StopMatcher
+from .stops import StopMatcher, tokens_through
 
 
 class QueueFull(Exception):
@@ -107,11 +112,15 @@ class Piece:
 @dataclasses.dataclass(frozen=True)
 class Outcome:
     finish_reason: str  # "stop", "length", or "cancelled" (the client went away)
-    completion_tokens: int  # exact, except after a stop string (the text's tokens, re-encoded)
-    counters: DecodeCounters | None  # None when a stop string or the client cut the decode short
+    # tokens of the answer; after a stop string, those up to the one that completed it (what
+    # any drafter, or none, gives for the same text), not those the last step made past it
+    completion_tokens: int
+    counters: DecodeCounters  # what the decode did, up to where it ended or was closed
+    text: str | None = None  # a request not streamed: its whole text (no pieces were sent)
 
 
 _END = object()  # the worker's last message to the loop
+_FIRST = object()  # a request not streamed: the first text exists (time to first token)
 
 
 class Engine:
@@ -129,15 +138,22 @@ class Engine:
 
     async def run(self, request: GenerationRequest, ticket: Ticket, arrived: float
                   ) -> AsyncIterator[Piece | Outcome]:
-        """Text pieces as they are decoded, then the `Outcome`. Closing this generator early
-        (the client disconnected) cancels the decode and frees its slot."""
+        """Text pieces as they are decoded, then the `Outcome`; for a request not streamed,
+        only the `Outcome`, with the text (the loop is then woken once, not once a piece).
+        Closing this generator early (the client disconnected) cancels the decode and frees
+        its slot."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        inbox: collections.deque = collections.deque()  # the worker's messages, in order
+        arrived_mail = asyncio.Event()
         cancel = threading.Event()
+
+        def deliver(item: object) -> None:  # on the loop
+            inbox.append(item)
+            arrived_mail.set()
 
         def post(item: object) -> None:  # from the worker thread
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
+                loop.call_soon_threadsafe(deliver, item)
             except RuntimeError:  # the loop has closed: nobody is listening any more
                 cancel.set()
 
@@ -151,11 +167,22 @@ class Engine:
         work.add_done_callback(lambda f: self._done(f, ticket, request, arrived))
         first = True
         try:
-            while (item := await queue.get()) is not _END:
-                if first:
+            while True:
+                while not inbox:
+                    arrived_mail.clear()
+                    await arrived_mail.wait()
+                # what arrived since the last look: the pieces in one chunk (when the loop fell
+                # behind the decode), then the end
+                items = list(inbox)
+                inbox.clear()
+                if first and any(i is _FIRST or isinstance(i, Piece) for i in items):
                     self.metrics.ttft.observe(time.perf_counter() - arrived)
                     first = False
-                yield item
+                text = "".join(i.text for i in items if isinstance(i, Piece))
+                if text:
+                    yield Piece(text)
+                if _END in items:
+                    break
             yield await work  # the worker's exception, if it failed
         finally:
             cancel.set()
@@ -166,11 +193,12 @@ class Engine:
         if work.cancelled() or work.exception() is not None:
             return
         outcome: Outcome = work.result()
-        if outcome.finish_reason != "cancelled":
-            self.metrics.finished(reason=outcome.finish_reason,
-                                  prompt_tokens=len(request.prompt_ids),
-                                  completion_tokens=outcome.completion_tokens,
-                                  counters=outcome.counters, seconds=time.perf_counter() - arrived)
+        cancelled = outcome.finish_reason == "cancelled"
+        self.metrics.finished(reason="abort" if cancelled else outcome.finish_reason,
+                              prompt_tokens=len(request.prompt_ids),
+                              completion_tokens=outcome.completion_tokens,
+                              counters=outcome.counters,
+                              seconds=None if cancelled else time.perf_counter() - arrived)
 
     def _work(self, request: GenerationRequest, post: Callable[[object], None],
               cancel: threading.Event) -> Outcome:
@@ -184,26 +212,39 @@ class Engine:
         stream = self.model.stream(request.prompt_ids, drafter=self.drafter,
                                    options=request.options)
         matcher = StopMatcher(request.stop)
-        decoded: list[str] = []
+        texts: list[str] = []  # a request not streamed: its text, sent once at the end
+
+        def emit(text: str) -> None:
+            if request.stream:
+                post(Piece(text))
+            else:
+                if not texts:
+                    post(_FIRST)
+                texts.append(text)
+
+        cancelled = False
         pieces = iter(stream)
         try:
-            for piece in pieces:
+            for piece in pieces:  # one piece per decode step, mostly
                 if cancel.is_set():
-                    return Outcome("cancelled", 0, None)
-                decoded.append(piece)
+                    cancelled = True
+                    break
                 if out := matcher.feed(piece):
-                    post(Piece(out))
+                    emit(out)
                 if matcher.stopped:
                     break
         finally:
             pieces.close()  # a stream cut short gives its slot back here
+        if cancelled:
+            return Outcome("cancelled", len(stream.tokens), stream.counters)
         if matcher.stopped:
-            n = len(self.model.tokenizer.encode("".join(decoded), add_special_tokens=False).ids)
-            return Outcome("stop", n, None)
+            n = tokens_through(self.model.decode, stream.tokens, matcher.through)
+            return Outcome("stop", n, stream.counters, "".join(texts))
         if tail := matcher.flush():
-            post(Piece(tail))
+            emit(tail)
         result = stream.result
-        return Outcome(finish_reason(result.finish_reason), result.num_tokens, result.counters)
+        return Outcome(finish_reason(result.finish_reason), result.num_tokens, result.counters,
+                       "".join(texts))
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)

@@ -4,7 +4,9 @@ Names follow vLLM's, so its dashboards read them: `vllm:num_requests_running` an
 `vllm:num_requests_waiting` (gauges read from the admission queue when scraped),
 `vllm:time_to_first_token_seconds` and `vllm:e2e_request_latency_seconds` (histograms, from the
 request's arrival, queueing included), `vllm:prompt_tokens_total`,
-`vllm:generation_tokens_total`, `vllm:request_success_total{finished_reason}`, and the
+`vllm:generation_tokens_total`, `vllm:request_success_total{finished_reason}` ("stop",
+"length", or "abort": the client went away; an aborted request counts its tokens and drafts
+up to the cancel, but no end-to-end latency), and the
 speculative-decoding counters: `vllm:spec_decode_num_drafts_total` (verify calls that checked a
 non-empty draft), `..._num_draft_tokens_total` (drafted), `..._num_accepted_tokens_total`
 (accepted) and `..._num_accepted_tokens_per_pos_total{position}` (accepted at draft position
@@ -51,8 +53,9 @@ class ServerMetrics:
                                         registry=r)
 
     def finished(self, *, reason: str, prompt_tokens: int, completion_tokens: int,
-                 counters: DecodeCounters | None, seconds: float) -> None:
-        self.e2e.observe(seconds)
+                 counters: DecodeCounters | None, seconds: float | None) -> None:
+        if seconds is not None:
+            self.e2e.observe(seconds)
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
         self.success.labels(finished_reason=reason).inc()

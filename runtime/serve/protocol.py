@@ -286,13 +286,13 @@ def finish_reason(reason: str) -> str:
     return "length" if reason == "capacity" else reason
 
 
-def speculative_section(counters: DecodeCounters | None, drafter: str) -> dict[str, Any] | None:
-    """The per-request speculative-decoding figures (None when the decode was cut short by a
-    stop string, before its counters were returned)."""
-    if counters is None:
-        return None
+def speculative_section(counters: DecodeCounters, drafter: str) -> dict[str, Any]:
+    """The per-request speculative-decoding figures: what the decode did up to where it ended.
+    After a stop string `emitted_tokens` may exceed `completion_tokens`: the last step's tokens
+    past the stop were decoded (and counted here) but are not part of the answer."""
     return {
         "drafter": drafter,
+        "emitted_tokens": counters.emitted,
         "drafted_tokens": counters.drafted,
         "accepted_tokens": counters.accepted,
         "acceptance_rate": round(counters.acceptance_rate, 4),
@@ -323,7 +323,7 @@ class ResponseIds:
 
 
 def response_body(ids: ResponseIds, text: str, reason: str, prompt_tokens: int,
-                  completion_tokens: int, speculative: dict | None) -> dict[str, Any]:
+                  completion_tokens: int, speculative: dict[str, Any]) -> dict[str, Any]:
     if ids.kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
                   "logprobs": None, "finish_reason": reason}
@@ -361,7 +361,7 @@ def chunk(ids: ResponseIds, *, text: str | None = None, role: bool = False,
 
 
 def usage_chunk(ids: ResponseIds, prompt_tokens: int, completion_tokens: int,
-                speculative: dict | None) -> dict[str, Any]:
+                speculative: dict[str, Any]) -> dict[str, Any]:
     obj = "chat.completion.chunk" if ids.kind == "chat" else "text_completion"
     return {**ids.head(obj), "choices": [], "usage": usage(prompt_tokens, completion_tokens),
             "speculative": speculative}
