@@ -180,6 +180,8 @@ def load_checkpoint(source: Source, *, capacity: int, progress: bool = True) -> 
     try:
         with _quiet(not progress):
             config = transformers.AutoConfig.from_pretrained(directory, **kwargs)
+            if source.gguf_file is not None:
+                check_gguf_config(source.path, config, capacity=capacity)
             check_config(config, capacity=capacity)
             tokenizer = transformers.AutoTokenizer.from_pretrained(directory, **kwargs)
             model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -266,6 +268,81 @@ def check_config(config: Any, *, capacity: int) -> None:
                                                                False):
         raise ExportError("use_sliding_window True is not supported for model_type "
                           f"{model_type!r} (its sliding layers are not implemented)")
+
+
+# GGUF tensors that carry a RoPE scaling (llama.cpp's way of writing it): name -> rope_type
+_GGUF_ROPE_TENSORS = {"rope_freqs.weight": "llama3", "rope_factors_long.weight": "longrope",
+                      "rope_factors_short.weight": "longrope"}
+
+
+def check_gguf_config(path: Any, config: Any, *, capacity: int) -> None:
+    """Refuse a GGUF file stating what transformers' GGUF loader left out of `config`, the
+    config it made of the file. That loader reads only the keys its GGUF_CONFIG_MAPPING names
+    (transformers 5.x: no RoPE scaling and no rope_freqs / rope_factors tensors for any of these
+    architectures, no head_dim for 'qwen3', no partial rotary or sliding window for 'phi3', no
+    sliding window for 'llama', no soft-capping or query_pre_attn_scalar for Gemma); the rest
+    keeps the config class's defaults, a model that is not the file's. Header reads only."""
+    from .sources import read_gguf_header
+
+    metadata, tensors = read_gguf_header(path)
+    arch = metadata.get("general.architecture")
+    name = path.name
+
+    def key(k: str) -> Any:
+        return metadata.get(f"{arch}.{k}")
+
+    def refuse(stated: str, loaded: str) -> None:
+        raise ExportError(f"{name}: the file states {stated}, which transformers' GGUF loader "
+                          f"does not read (it loads {loaded}); export the Hugging Face model "
+                          f"directory instead")
+
+    if arch == "llama" and metadata.get("general.name") == "mistral":
+        raise ExportError(f"{name}: general.name 'mistral' makes transformers' GGUF loader load "
+                          f"it as model_type 'mistral', for which gguf-py has no tensor names; "
+                          f"rename the model in the file or export its Hugging Face directory")
+    rope = _rope_parameters(config)
+    full = rope.get("full_attention", rope)
+    rope_type = full.get("rope_type", full.get("type", "default"))
+    scaling = key("rope.scaling.type")
+    if scaling not in (None, "none", rope_type):
+        refuse(f"{arch}.rope.scaling.type {scaling!r}", f"rope_type {rope_type!r}")
+    for tensor in tensors:
+        if tensor in _GGUF_ROPE_TENSORS and rope_type != _GGUF_ROPE_TENSORS[tensor]:
+            refuse(f"the tensor {tensor} (rope_type {_GGUF_ROPE_TENSORS[tensor]!r})",
+                   f"rope_type {rope_type!r}")
+    for k, loaded in (("rope.freq_base", full.get("rope_theta")),
+                      ("rope.freq_base_swa", rope.get("sliding_attention", {}).get("rope_theta"))):
+        stated = key(k)
+        if stated is not None and loaded is not None and \
+                abs(stated - loaded) > 1e-6 * abs(loaded):
+            refuse(f"{arch}.{k} {stated:g}", f"rope_theta {loaded:g}")
+    head_dim = getattr(config, "head_dim", None) or \
+        config.hidden_size // config.num_attention_heads
+    key_length = key("attention.key_length")
+    if key_length is not None and key_length != head_dim:
+        refuse(f"{arch}.attention.key_length {key_length}", f"head_dim {head_dim}")
+    partial = float(full.get("partial_rotary_factor", 1.0) or 1.0)
+    rotary = key("rope.dimension_count")
+    if rotary is not None and rotary != int(head_dim * partial):
+        refuse(f"{arch}.rope.dimension_count {rotary}",
+               f"{int(head_dim * partial)} rotary dimensions of head_dim {head_dim}")
+    window = key("attention.sliding_window")
+    loaded_window = getattr(config, "sliding_window", None) \
+        if getattr(config, "use_sliding_window", True) else None
+    if isinstance(window, int) and 0 < window < capacity and window != loaded_window:
+        refuse(f"{arch}.attention.sliding_window {window} (under the capacity {capacity})",
+               f"sliding_window {loaded_window}")
+    for k in ("attn_logit_softcapping", "final_logit_softcapping"):
+        stated, loaded = key(k), float(getattr(config, k, None) or 0.0)
+        if stated is not None and abs(stated - loaded) > 1e-6 * max(abs(loaded), 1.0):
+            refuse(f"{arch}.{k} {stated:g}", f"{k} {loaded:g}")
+    scalar = getattr(config, "query_pre_attn_scalar", None)
+    if arch in GEMMA and scalar is not None and scalar != head_dim:
+        raise ExportError(f"{name}: a GGUF file has no query_pre_attn_scalar: llama.cpp scales "
+                          f"the attention by {arch}.attention.key_length {head_dim} (the 27B "
+                          f"models by hidden_size / heads), transformers' GGUF loader by its "
+                          f"default query_pre_attn_scalar {scalar}; export the Hugging Face "
+                          f"model directory instead")
 
 
 def _check_gemma(config: Any, *, capacity: int) -> None:

@@ -43,13 +43,23 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  "SmolLM3ForCausalLM": "smollm3", "Phi3ForCausalLM": "phi3",
                  "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
-# GGUF architectures transformers reads and this exporter implements
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                      "phi3": "phi3"}
+# GGUF architectures transformers reads (its GGUF loader's GGUF_CONFIG_MAPPING, together with
+# gguf-py's tensor names) and this exporter implements; what a file of one of these states and
+# transformers does not read is refused by checkpoint.check_gguf_config
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+                      "gemma2": "gemma2", "gemma3": "gemma3"}
+# GGUF architectures of families this exporter implements that transformers cannot load from a
+# GGUF file: why (their model directories export)
+GGUF_UNREADABLE = {
+    "smollm3": "transformers' GGUF loader has no mapping for it (GGUF_CONFIG_MAPPING in "
+               "transformers.integrations.ggml lacks 'smollm3')",
+    "mistral": "gguf-py has no architecture 'mistral', which transformers' GGUF loader needs for "
+               "the tensor names (llama.cpp writes Mistral models as 'llama')",
+}
 SUPPORTED = ("LlamaForCausalLM (Llama 2/3.x, SmolLM), MistralForCausalLM, Qwen2ForCausalLM "
              "(Qwen2, Qwen2.5), Qwen3ForCausalLM, SmolLM3ForCausalLM, Phi3ForCausalLM, "
              "Gemma2ForCausalLM, Gemma3ForCausalLM (text); GGUF "
-             "files of architecture 'llama', 'mistral', 'qwen2', 'qwen3' or 'phi3'")
+             "files of architecture 'llama', 'qwen2', 'qwen3', 'phi3', 'gemma2' or 'gemma3'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +143,10 @@ def identify_source(source: str | os.PathLike | None) -> Source:
             raise ExportError(f"{str(path)!r} is a file but not a .gguf; give a Hugging Face model "
                               f"directory or a .gguf file")
         arch = gguf_architecture(path)
+        if arch in GGUF_UNREADABLE:
+            raise ExportError(f"{path.name}: GGUF architecture {arch!r} cannot be exported: "
+                              f"{GGUF_UNREADABLE[arch]}; export its Hugging Face model "
+                              f"directory instead")
         if arch not in GGUF_ARCHITECTURES:
             raise ExportError(f"{path.name}: GGUF architecture {arch!r} is not supported; "
                               f"supported: {SUPPORTED}")
@@ -162,39 +176,63 @@ _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
 def gguf_block_count(path: Path, arch: str) -> int | None:
-    """`<arch>.block_count` from a GGUF header (walking past the tokenizer's arrays), or None."""
-    wanted = f"{arch}.block_count"
+    """`<arch>.block_count` from a GGUF header, or None."""
+    try:
+        value = read_gguf_header(path)[0].get(f"{arch}.block_count")
+    except ExportError:
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def read_gguf_header(path: Path) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The metadata of a GGUF file (v2+) and its tensors' names, reading the header only.
+
+    Scalars and strings come as Python values, arrays of up to 64 scalars as lists and longer
+    ones (the tokenizer's) as their length; ExportError when the header cannot be read."""
     try:
         with open(path, "rb") as f:
             def u64() -> int:
                 return struct.unpack("<Q", f.read(8))[0]
 
-            def skip(vtype: int) -> None:
+            size = os.fstat(f.fileno()).st_size
+
+            def string() -> str:
+                n = u64()
+                if n > size:  # a corrupt length: not worth a read of that many bytes
+                    raise struct.error(f"a string of {n} bytes in a file of {size}")
+                return f.read(n).decode("utf-8")
+
+            def value(vtype: int) -> Any:
                 if vtype == _GGUF_STRING:
-                    f.seek(u64(), 1)
-                elif vtype == _GGUF_ARRAY:
+                    return string()
+                if vtype == _GGUF_ARRAY:
                     inner, count = struct.unpack("<I", f.read(4))[0], u64()
+                    if inner in _GGUF_SCALARS and count <= 64:
+                        return [value(inner) for _ in range(count)]
                     if inner in _GGUF_SCALARS:
                         f.seek(count * struct.calcsize(_GGUF_SCALARS[inner]), 1)
                     else:
                         for _ in range(count):
-                            skip(inner)
-                else:
-                    f.seek(struct.calcsize(_GGUF_SCALARS[vtype]), 1)
+                            value(inner)
+                    return count
+                fmt = _GGUF_SCALARS[vtype]
+                return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
 
             if f.read(4) != b"GGUF" or struct.unpack("<I", f.read(4))[0] < 2:
-                return None
-            _tensors, n_kv = struct.unpack("<QQ", f.read(16))
-            for _ in range(min(n_kv, 4096)):
-                key = f.read(u64()).decode("utf-8")
-                vtype = struct.unpack("<I", f.read(4))[0]
-                if key == wanted and vtype in _GGUF_SCALARS:
-                    fmt = _GGUF_SCALARS[vtype]
-                    return int(struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0])
-                skip(vtype)
-    except (OSError, struct.error, UnicodeDecodeError, KeyError):
-        return None
-    return None
+                raise ExportError(f"{path.name} is not a GGUF v2+ file")
+            n_tensors, n_kv = struct.unpack("<QQ", f.read(16))
+            metadata: dict[str, Any] = {}
+            for _ in range(n_kv):
+                key = string()
+                metadata[key] = value(struct.unpack("<I", f.read(4))[0])
+            names = []
+            for _ in range(n_tensors):
+                names.append(string())
+                n_dims = struct.unpack("<I", f.read(4))[0]
+                f.seek(8 * n_dims + 4 + 8, 1)  # dims, ggml type, offset
+    except (OSError, struct.error, UnicodeDecodeError, KeyError) as e:
+        raise ExportError(f"{path.name}: cannot read the GGUF header ({e!r})") from None
+    return metadata, tuple(names)
 
 
 def _hf_family(directory: Path) -> str:

@@ -6,6 +6,8 @@ plain decoding, and `ortspec check` on the export."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -172,10 +174,19 @@ def _prompt() -> list[int]:
     return rng.integers(5, VOCAB, PROMPT_LEN).tolist()
 
 
+def _reference_model(src):
+    """The PyTorch model of a model directory, or the one transformers loads from a .gguf."""
+    src = Path(src)
+    if src.suffix == ".gguf":
+        return AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name,
+                                                    dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+
+
 def _check_logits(src, out):
     m = mf.read_manifest(out)
     ids = _prompt()
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    model = _reference_model(src)
     with torch.no_grad():
         reference = model(torch.tensor([ids]), use_cache=False).logits[0].numpy()  # [n, vocab]
     decoder = OrtDecoder(out, manifest=m, providers=["CPUExecutionProvider"])
