@@ -94,17 +94,23 @@ def run_pairs(
     config: BenchConfig,
     *,
     progress: Callable[[int], None] | None = None,
+    policies: dict[str, Any] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(records, skipped). Each record is one decode; at temperature 0 each speculative record
-    says whether its tokens equal the plain decode's of the same prompt and repeat."""
+    says whether its tokens equal the plain decode's of the same prompt and repeat.
+
+    policies: method name -> its draft-length policy, for a caller that runs one prompt at a
+    time and keeps what each method learned (missing ones are made fresh here)."""
     if not methods or methods[0].name != "plain":
         raise InvalidOptionError("the first method must be 'plain': every speedup is relative to it")
     # each cost-model method learns on its own (two methods drafting with prompt lookup must not
     # pool their estimates), from the model's calibrated curve
     auto = [m.name for m in methods if m.drafter != "none" and m.fixed_k is None]
-    shared = model.draft_length_policy() if auto else None
-    policies = {m.name: shared.fresh() if m.name in auto else None for m in methods}
-    capacity = model.manifest.capacity
+    given = policies or {}
+    shared = model.draft_length_policy() if set(auto) - set(given) else None
+    policies = {m.name: given[m.name] if m.name in given else
+                shared.fresh() if m.name in auto else None for m in methods}
+    capacity = model.decoder.capacity
     records: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     for i, prompt in enumerate(prompts):

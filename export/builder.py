@@ -143,12 +143,13 @@ class GraphBuilder:
     def block_sums(self, x: str, k: int) -> str:
         """[1, S, K] -> [1, S, K / block_size]: x summed over each quantization block (once per
         input: q, k, v share one, and so do gate and up)."""
-        if x not in self._block_sums:
+        if x not in self._block_sums:  # one MatMul with a 0/1 block indicator [K, K / block]
             bs = self.options.quant.block_size
-            shape = self.g.const(f"shape_blocks_{k}", np.array([1, -1, k // bs, bs], np.int64))
-            axes = self.g.const("axes_last", np.array([-1], np.int64))
-            self._block_sums[x] = self.g.op1(
-                "ReduceSum", [self.g.op1("Reshape", [x, shape]), axes], keepdims=0)
+            name = f"block_indicator_{k}"
+            if name not in self._writer.names:
+                self.add_tensor(name, np.kron(np.eye(k // bs, dtype=np.float32),
+                                              np.ones((bs, 1), np.float32)))
+            self._block_sums[x] = self.g.op1("MatMul", [x, name])
         return self._block_sums[x]
 
     def norm(self, x: str, residual: str | None, weight_name: str) -> tuple[str, str]:

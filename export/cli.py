@@ -11,7 +11,8 @@ import sys
 
 from ortspec.runtime.errors import OrtspecError
 
-from .graph_spec import ATTENTIONS, DEFAULT_OPSET, MAX_OPSET, MIN_OPSET
+from .graph_spec import ATTENTIONS, DEFAULT_OPSET, LM_HEADS, MAX_OPSET, MIN_OPSET, QUANT_SCHEMES, \
+    QUANTS
 
 PROG = "ortspec export"
 
@@ -40,6 +41,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-verify-len", type=int, default=16,
                    help="longest verify block, 1..256 (default 16)")
     p.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32")
+    p.add_argument("--quant", choices=tuple(QUANTS), default=None,
+                   help="int4: linear weights as onnxruntime MatMulNBits, 4 bits in blocks of 32 "
+                        "(a Q4_1 GGUF's own blocks), LM head and tied embedding at 8 bits; exact "
+                        "speculative decoding (every call runs at least two rows); output "
+                        "directory <name>-int4")
+    p.add_argument("--lm-head", choices=LM_HEADS, default="int8",
+                   help="with --quant: the LM head's precision (int8, the default, also stores a "
+                        "tied embedding: a Q8_0 table exactly; int4; fp32)")
+    p.add_argument("--quant-scheme", choices=QUANT_SCHEMES, default="block-min",
+                   help="with --quant: block-min (w = d*q + m per block of 32, Q4_1; the default), "
+                        "zero-point (integer zero points, onnxruntime's quantizer) or symmetric")
     p.add_argument("--attention", choices=ATTENTIONS, default="gqa",
                    help="gqa: onnxruntime's fused GroupQueryAttention (CPU; CUDA in fp16), the "
                         "default; standard: ONNX opset-24 ops only, for TensorRT")
@@ -76,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                            attention=args.attention,
                            progress=not args.quiet, overwrite=args.overwrite,
                            draft_quant=args.draft_quant, draft_layers=args.draft_layers,
-                           draft_only=args.draft_only)
+                           draft_only=args.draft_only, quant=args.quant, lm_head=args.lm_head,
+                           quant_scheme=args.quant_scheme)
     except (OrtspecError, OSError) as e:
         print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
         return 2
@@ -86,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.draft_only:
         print(out)
     if args.draft_quant is not None or args.draft_layers is not None:  # one line per directory
-        print(out / DRAFTS_DIR / DraftOptions(args.draft_quant, args.draft_layers).name)
+        quant = args.quant if args.draft_layers is not None and args.quant else args.draft_quant
+        print(out / DRAFTS_DIR / DraftOptions(quant, args.draft_layers).name)
     return 0
 
 

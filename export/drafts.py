@@ -50,22 +50,14 @@ from ortspec.runtime.errors import ExportError
 from ortspec.runtime.validation import check_int
 
 from .errors import ExportOptionError
-from .graph_spec import DecoderSpec, GraphOptions, WeightQuant
+from .graph_spec import QUANTS, DecoderSpec, GraphOptions, WeightQuant
 from .graphs import build_decoder
 from .quantize import quantize_blockwise
 from .validate import TOLERANCES, Bound, Tolerances, check_logits, run_graph, validation_prompt
 
 DRAFTS_DIR = "drafts"
 DRAFT_OF = ".."  # a draft's manifest names its target relative to itself
-DRAFT_REVISION = 1  # bumped whenever a draft's graph changes; ensure_default_draft re-exports
-# "int4": 4-bit linear weights; the LM head (and a tied embedding, which shares its bytes) at
-# 8 bits. Measured on SmolLM2-135M (Q4_1 layers, Q8_0 embedding) against the fp32 target, greedy
-# top-1 agreement over 288 positions of 6 Spec-Bench prompts / step time: this preset 0.969 /
-# 0.44x; the head at 4 bits (block-min) 0.854 / 0.38x; "zero-point" layers (onnxruntime's
-# quantizer's scheme) 0.71 / 0.32x with an 8-bit head, 0.72 / 0.25x with a 4-bit one. The
-# 8-bit head needs accuracy_level 4: at 0 its kernel is the slow path (2.3x the fp32 target).
-QUANTS = {"int4": WeightQuant(bits=4, block_size=32, scheme="block-min", accuracy_level=4,
-                              lm_head_bits=8, lm_head_scheme="symmetric")}
+DRAFT_REVISION = 2  # bumped whenever a draft's graph changes; ensure_default_draft re-exports
 MIN_AGREEMENT = 0.3  # of a quantized draft with its target, on the validation prompt
 LINEAR = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -169,6 +161,7 @@ def build_draft(directory: Path, checkpoint, target: mf.Manifest, options: Draft
                     directory / target.tokenizer)
     manifest = dataclasses.replace(
         target, architecture=draft_spec.architecture(), files={}, draft_of=DRAFT_OF,
+        min_call_rows=1,  # a draft's rows need not equal its steps: q is what it computed
         extra={"exporter_revision": target.extra.get("exporter_revision"),
                "draft": options.record(spec.num_layers),
                "attention": target.extra.get("attention"), "opset": opset,

@@ -56,18 +56,17 @@ def validation_prompt(checkpoint: Checkpoint, *, capacity: int, max_verify_len: 
 
 
 def validate_export(model_dir: Path, manifest: mf.Manifest, checkpoint: Checkpoint, *,
-                    reference: np.ndarray | None = None, tolerances: Tolerances | None = None) \
-        -> ValidationReport:
+                    reference_weights: dict[str, np.ndarray] | None = None,
+                    tolerances: Tolerances | None = None) -> ValidationReport:
     """Raise ExportError when the graph's logits are outside the dtype's tolerances.
 
-    reference: [n, vocab] logits on `validation_prompt` to compare with instead of the
-    checkpoint's own (a draft's: truncated, or with dequantized weights); tolerances: instead
-    of the dtype's."""
+    reference_weights: canonical name -> the weight the graph computes with, swapped into the
+    PyTorch reference (a quantized graph's dequantized weights); tolerances: instead of the
+    dtype's."""
     ids = validation_prompt(checkpoint, capacity=manifest.capacity,
                             max_verify_len=manifest.max_verify_len)
     verify, step = run_graph(model_dir, manifest, ids)
-    if reference is None:
-        reference = checkpoint.torch_logits(ids)  # [n, vocab]
+    reference = checkpoint.torch_logits(ids, replace=reference_weights or None)  # [n, vocab]
     return check_logits(verify, step, reference, tolerances or TOLERANCES[manifest.dtype],
                         manifest.dtype)
 

@@ -42,6 +42,15 @@ class CostCurve:
     def relative(self) -> list[float]:
         return [x / self.seconds[0] for x in self.seconds]
 
+    def padded_to(self, min_rows: int) -> "CostCurve":
+        """The curve of a decoder whose calls run at least `min_rows` rows
+        (Manifest.min_call_rows): a call of fewer tokens is the same call as one of min_rows,
+        so it costs the same (a step and a one-token verify are then equally priced)."""
+        m = min(min_rows, len(self.seconds))
+        if m <= 1:
+            return self
+        return CostCurve((self.seconds[m - 1],) * m + self.seconds[m:])
+
     @classmethod
     def measure(cls, decoder: Decoder, *, max_len: int, context: int = CALIBRATION_CONTEXT,
                 repeats: int = 7, seed: int = 0) -> "CostCurve":
@@ -103,6 +112,7 @@ class CalibrationKey:
     graph_digest: str = ""
     providers: tuple[str, ...] = ()
     threads: int = 0
+    min_rows: int = 1  # Manifest.min_call_rows
 
     def file_name(self) -> str:
         name = Path(self.model_dir).resolve().name
@@ -132,10 +142,10 @@ def calibrated_cost_curve(decoder: Decoder, key: CalibrationKey | str | os.PathL
             if data.get("version") == CALIBRATION_VERSION and len(secs) == max_len and all(
                 isinstance(x, float) and x > 0 for x in secs
             ):
-                return CostCurve(tuple(secs))
+                return CostCurve(tuple(secs)).padded_to(key.min_rows)
         except (OSError, ValueError, KeyError, TypeError):
             pass
-    curve = CostCurve.measure(decoder, max_len=max_len)
+    curve = CostCurve.measure(decoder, max_len=max_len).padded_to(key.min_rows)
     payload = json.dumps({"version": CALIBRATION_VERSION, "providers": list(key.providers),
                           "model": key.model_dir, "seconds": list(curve.seconds),
                           "relative": curve.relative()}, indent=1)

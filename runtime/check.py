@@ -10,9 +10,14 @@ fail); `run_checks` runs them all and `format_table` prints them. The command it
    largest |logit| in fp16; here the largest |logit| is the step entry point's, there being no
    PyTorch). Speculative decoding reads the target's distribution from verify calls, plain
    decoding from steps: if they disagree, the two decodes sample different distributions.
-2. greedy identity: speculative decoding with prompt lookup and plain decoding, 48 new tokens
+2. row invariance: the step logits of max(12, max_verify_len + 1) positions against the rows of verify calls of several
+   lengths (1, 2, 3, 4, 8 and max_verify_len, where they fit), each starting 0 or 1 tokens in
+   (`ortspec.runtime.row_invariance`). A graph that pads every call to two rows
+   (manifest.min_call_rows = 2, the int4 exports) must match bit for bit; a float graph
+   within the verify-vs-step bound of check 1 (its bitwise count is reported).
+3. greedy identity: speculative decoding with prompt lookup and plain decoding, 48 new tokens
    on four built-in prompts, must give the same tokens.
-3. the sampler on the model's own distributions: p = the target's temperature-1 distribution
+4. the sampler on the model's own distributions: p = the target's temperature-1 distribution
    at three positions of a real prompt; two deliberately bad drafts (a point mass on a token p
    rarely picks; q = the temperature-1.6 distribution, draws taken from q); N = 20,000 draws
    through `accept_or_resample` each; a chi-squared goodness-of-fit test of the emitted tokens
@@ -30,6 +35,7 @@ import numpy as np
 
 from .decode import SpeculativeOptions, plain_decode, speculative_decode_with
 from .drafters.prompt_lookup import PromptLookupSpeculator
+from .row_invariance import row_differences
 from .sampling import DraftDist, accept_or_resample, warp
 from .stats import chi_squared_test
 from .tolerances import TOLERANCES, comparison_length
@@ -81,6 +87,29 @@ def check_verify_vs_step(model) -> CheckRow:
     bound = TOLERANCES[model.manifest.dtype].step_vs_verify.at(float(np.abs(step).max()))
     return CheckRow(f"verify vs step logits ({n} positions)", f"max |diff| {diff:.2e}",
                     f"<= {bound:.1e}", diff <= bound)
+
+
+ROW_POSITIONS = 12  # continuation tokens compared by check_row_invariance (at least)
+
+
+def check_row_invariance(model) -> CheckRow:
+    """Each verify row against the step at its position (see check 2 in the module doc)."""
+    dec = model.decoder
+    positions = min(max(ROW_POSITIONS, dec.max_verify_len + 1), dec.capacity // 2)
+    prompt = _prompt_ids(model, PROMPTS[2])[-(dec.capacity - positions):]
+    cont = (_prompt_ids(model, PROMPTS[3]) * positions)[:positions]
+    lengths = sorted({n for n in (1, 2, 3, 4, 8, dec.max_verify_len)
+                      if n <= min(dec.max_verify_len, positions - 1)})
+    res = row_differences(dec, prompt, cont, block_lengths=lengths, offsets=(0, 1))
+    exact = model.manifest.min_call_rows > 1
+    figure = (f"{res.rows - res.differing}/{res.rows} rows bitwise equal, max |diff| "
+              f"{res.max_abs:.2e}, {res.argmax_differing} argmax differ")
+    if exact:
+        return CheckRow(f"row invariance (blocks {','.join(map(str, lengths))}, padded to 2 rows)",
+                        figure, "bitwise equal", res.differing == 0)
+    bound = TOLERANCES[model.manifest.dtype].step_vs_verify.at(res.scale)
+    return CheckRow(f"row invariance (blocks {','.join(map(str, lengths))})", figure,
+                    f"<= {bound:.1e}", res.max_abs <= bound)
 
 
 def check_greedy_identity(model, new_tokens: int = 48) -> list[CheckRow]:
@@ -167,5 +196,6 @@ def format_table(rows: Sequence[CheckRow]) -> str:
 
 def run_checks(model, *, draws: int = 20_000, seed: int = 0, new_tokens: int = 48,
                alpha: float = ALPHA) -> list[CheckRow]:
-    return [check_verify_vs_step(model), *check_greedy_identity(model, new_tokens),
+    return [check_verify_vs_step(model), check_row_invariance(model),
+            *check_greedy_identity(model, new_tokens),
             *check_sampler(model, draws=draws, seed=seed, alpha=alpha)]

@@ -241,7 +241,8 @@ def speculative_decode_steps(
     drafts cost model steps asks the policy's `limit` itself), keep the first
     `draft_length.choose(block)` of them, verify pending + drafts in one call, apply the rule,
     tell the policy the call's wall time (`observe_cost`) and outcome (`observe`), roll the
-    cache back to what survived. An empty draft is a plain single-token step. The policy
+    cache back to what survived, hand the drafter the target's logits for the emitted positions
+    (`observe_target`). An empty draft is a plain single-token step. The policy
     chooses from the history, the draft and what earlier steps showed, never from the random
     draws of the verify it sizes, so the output distribution is unchanged.
 
@@ -251,8 +252,9 @@ def speculative_decode_steps(
     prompt = _check_prompt(decoder, prompt, options)
     if not isinstance(drafter, Drafter):
         raise DrafterError(
-            f"a drafter needs begin(options, draft_length) and propose(history, max_tokens) "
-            f"methods (subclass ortspec.runtime.DrafterBase for a begin that does nothing); got "
+            f"a drafter needs begin(options, draft_length), propose(history, max_tokens) and "
+            f"observe_target(start, logits) methods (subclass ortspec.runtime.DrafterBase for a "
+            f"begin and an observe_target that do nothing); got "
             f"{type(drafter).__name__}")
     with _claim(decoder=decoder, drafter=drafter, policy=draft_length):
         counters = counters if counters is not None else DecodeCounters()
@@ -326,6 +328,10 @@ def _speculative_steps(decoder: Decoder, prompt: list[int], drafter: Drafter,
                 finish = "stop"
                 break
         n_new += emitted
+        # the rows of the emitted positions, for a drafter that keeps the target's distributions
+        t3 = time.perf_counter()
+        drafter.observe_target(len(history) - emitted, logits[:emitted])
+        counters.draft_seconds += time.perf_counter() - t3
         counters._count_block(block, min(outcome.n_accepted, emitted))
         if emitted > outcome.n_accepted:
             if outcome.recovered:

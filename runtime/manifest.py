@@ -40,6 +40,7 @@ FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 DTYPES = ("fp32", "fp16")
 ENTRY_POINTS = ("step", "verify")
+MAX_MIN_CALL_ROWS = 2
 
 
 # architectures an export may record ("llama" covers Llama 2/3, SmolLM and Mistral)
@@ -108,6 +109,11 @@ class Manifest:
     draft_of: str | None = None  # for a self-speculative draft: relative path of its target
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    # the fewest rows any call of the graph runs: 2 pads a single new token with a copy of itself
+    # (the extra row is dropped, its KV slot overwritten by the next call), because onnxruntime's
+    # CPU kernels compute one row differently from the same row among several (see
+    # runtime/row_invariance.py); the usable capacity is then one token less
+    min_call_rows: int = 1
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
@@ -261,6 +267,11 @@ def parse_manifest(data: Any) -> Manifest:
     extra = data.get("extra", {})
     if not isinstance(extra, dict):
         raise ManifestError("manifest.extra: expected an object")
+    min_rows = _int_in(data, "min_call_rows", 1, MAX_MIN_CALL_ROWS, "manifest") \
+        if "min_call_rows" in data else 1
+    if min_rows > max_verify_len or min_rows >= capacity:
+        raise ManifestError(f"manifest.min_call_rows = {min_rows} needs max_verify_len >= "
+                            f"{min_rows} and capacity > {min_rows}")
     return Manifest(
         source=source,
         architecture=arch,
@@ -277,6 +288,7 @@ def parse_manifest(data: Any) -> Manifest:
         draft_of=draft_of,
         extra=extra,
         format_version=version,
+        min_call_rows=min_rows,
     )
 
 

@@ -37,6 +37,8 @@ from .drafters import DRAFTER_NAMES, NEEDS_DRAFT_MODEL
 from .drafters.composite import FallbackDrafter
 from .drafters.draft_model import DraftModelDrafter
 from .drafters.prompt_lookup import PromptLookupSpeculator
+from .drafters.ngram_counts import NgramCountsDrafter
+from .drafters.target_cache import TargetCacheDrafter
 from .errors import InvalidOptionError, InvalidPromptError
 from .ort_decoder import OrtDecoder
 from .protocols import DraftLengthPolicy, Drafter
@@ -144,6 +146,10 @@ class Model:
         lookup = PromptLookupSpeculator(ngram_size=ngram_size, max_draft_len=max_draft_len)
         if name == "prompt-lookup":
             return lookup
+        if name == "ngram-counts":
+            return NgramCountsDrafter(ngram_size=ngram_size, max_draft_len=max_draft_len)
+        if name == "target-cache":
+            return TargetCacheDrafter(ngram_size=ngram_size, max_draft_len=max_draft_len)
         # (the draft's vocabulary was checked against the target's by load_model)
         model_drafter = DraftModelDrafter(draft_decoder or self.draft, max_draft_len=max_draft_len,
                                           prior=self._draft_agreement())
@@ -186,7 +192,8 @@ class Model:
                 return self._policy
             with self.slots.slot() as slot:  # measured on request state, never a running request's
                 key = CalibrationKey(str(self.path), self.sessions.graph_digest,
-                                     tuple(self.sessions.providers), self.sessions.intra_op_threads)
+                                     tuple(self.sessions.providers), self.sessions.intra_op_threads,
+                                     self.sessions.min_call_rows)
                 curve = calibrated_cost_curve(slot.decoder, key, refresh=refresh)
                 draft_cost = 0.0
                 if slot.draft is not None:

@@ -97,8 +97,10 @@ class OrtDecoder:
 
         longest = s.longest_call
         self._ids = np.zeros(longest, np.int64)  # [longest] staging for input_ids
-        self._mask = np.ones(s.capacity, np.int64)  # [capacity], sliced to [1, length + S]
-        self._positions = np.arange(s.capacity, dtype=np.int64)  # for graphs with position_ids
+        self.min_call_rows: int = s.min_call_rows
+        rows = s.kv_shape[2]  # the buffers' capacity (one more than self.capacity when padding)
+        self._mask = np.ones(rows, np.int64)  # [rows], sliced to [1, length + S]
+        self._positions = np.arange(rows, dtype=np.int64)  # for graphs with position_ids
         self._logits = np.empty(longest * self.vocab_size, np.float32)  # [longest * vocab]
         self._logit_values: dict[int, ort.OrtValue] = {}  # S -> view of _logits as [1, S, vocab]
         # id(session) -> one IOBinding per current KV set (past = that set, present = the next)
@@ -191,14 +193,17 @@ class OrtDecoder:
     def _run(self, entry: str, ids: np.ndarray, *, copy: bool = True) -> np.ndarray:
         n = ids.size
         total = self._length + n
+        rows = max(n, self.min_call_rows)  # S of the call: n, or n padded with its last token
         session = self.sessions.by_entry[entry]
         binding = self._bindings[id(session)][self._current]
         self._ids[:n] = ids
+        self._ids[n:rows] = ids[-1]
+        end = self._length + rows
         binding.bind_step(
-            self._ids[:n].reshape(1, n),  # [1, S]
-            self._mask[:total].reshape(1, total),  # [1, past + S]
-            self._positions[self._length:total].reshape(1, n),  # [1, S]
-            self._logits_value(n),
+            self._ids[:rows].reshape(1, rows),  # [1, S]
+            self._mask[:end].reshape(1, end),  # [1, past + S]
+            self._positions[self._length:end].reshape(1, rows),  # [1, S]
+            self._logits_value(rows),
         )
         t0 = time.perf_counter()
         session.run_with_iobinding(binding.io)

@@ -110,15 +110,31 @@ class Drafter(Protocol):
     `SpeculativeOptions` (to reset state, follow its temperature, seed its own random stream)
     and the request's draft-length policy (None when there is none), which a drafter that pays
     per drafted token asks through `limit`. `DrafterBase.begin` does nothing.
+
+    `observe_target(start, logits)` is called after every target call (a verify or a plain
+    step), before the next `propose`, with the target's logits for the positions that call
+    emitted: `logits` is [n, vocab] (n >= 1), row i the target's logits for history position
+    `start + i`, computed from `history[:start + i]`; `start + n == len(history)`. The token now
+    at that position has the distribution warp(logits[i]) under the request's temperature,
+    top_k and top_p (those `begin` was given): a drafter may keep what it needs of it as the q
+    of later drafts. Rows for drafts after a rejection are not passed (they were computed from
+    tokens that were discarded), nor the prompt's. The array is only valid during the call:
+    copy what is kept. `DrafterBase.observe_target` ignores it.
     """
 
     def begin(self, options: "SpeculativeOptions", draft_length: DraftLengthPolicy | None) -> None: ...
 
     def propose(self, history: Sequence[int], max_tokens: int) -> "DraftBlock": ...
 
+    def observe_target(self, start: int, logits: np.ndarray) -> None: ...  # logits: [n, vocab]
+
 
 class DrafterBase:
-    """A drafter keeping no per-request state: `begin` is a no-op."""
+    """A drafter keeping no per-request state and using no target rows: `begin` and
+    `observe_target` are no-ops."""
 
     def begin(self, options: "SpeculativeOptions", draft_length: DraftLengthPolicy | None) -> None:
         """Nothing to reset."""
+
+    def observe_target(self, start: int, logits: np.ndarray) -> None:  # logits: [n, vocab]
+        """Nothing to keep."""

@@ -69,7 +69,10 @@ class OrtSessions:
         if kv_mode is not None and kv_mode not in KV_MODES:
             raise InvalidOptionError(f"kv_mode must be one of {', '.join(KV_MODES)}, got {kv_mode!r}")
         self.vocab_size: int = m.architecture.vocab_size
-        self.capacity: int = m.capacity
+        # every call runs at least this many rows (Manifest.min_call_rows); the padding row
+        # takes a KV slot during the call, so one token fewer fits
+        self.min_call_rows: int = m.min_call_rows
+        self.capacity: int = m.capacity - (m.min_call_rows - 1)
         self.max_verify_len: int = m.entry_points["verify"].max_len
         self.provider_config = resolve_providers(providers, manifest=m, model_dir=self.model_dir)
         self.kv_mode: str = kv_mode or default_kv_mode(self.provider_config)

@@ -21,5 +21,10 @@ for T in 0 1; do
   $B --per-category 3 --temperature $T --out benchmarks/draft-model-t$T \
      --methods plain,prompt-lookup,draft-model,prompt-lookup+draft-model
 done
+# 4. the drafters that sample from a q (n-gram counts, the target's cached rows), T=0.7 and 1
+for T in 0.7 1; do
+  $B --per-category 3 --max-new-tokens 96 --temperature $T --out benchmarks/drafters-with-q/t$T \
+     --methods plain,prompt-lookup,ngram-counts,target-cache
+done
 # (not committed) the anchors on the same prompts, in their own environment:
 #   scripts/setup_anchors.sh && $B --per-category 3 --methods plain,prompt-lookup --anchors genai,hf --out benchmarks/tmp/anchors

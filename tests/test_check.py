@@ -99,9 +99,10 @@ def test_check_passes_on_a_validated_tiny_export(tiny_dir, capsys):
     rc = check_cli.main(["--model", str(tiny_dir), "--draws", "4000"])
     out, err = capsys.readouterr()
     assert rc == 0, out + err
-    assert "11/11 checks passed" in out
-    assert sum(line.endswith(" pass") for line in out.splitlines()) == 11 and "FAIL" not in out
-    for row in ("verify vs step logits", "greedy identity, prompt 4", "sampler, position",
+    assert "12/12 checks passed" in out
+    assert sum(line.endswith(" pass") for line in out.splitlines()) == 12 and "FAIL" not in out
+    for row in ("verify vs step logits", "row invariance (blocks 1,2,3,4,6)",
+                "greedy identity, prompt 4", "sampler, position",
                 "point mass on token", "q = temperature 1.6"):
         assert row in out
 
@@ -110,6 +111,13 @@ def test_a_drifting_verify_entry_point_fails_the_first_check(tiny, monkeypatch):
     real = tiny.decoder.forward_batch
     monkeypatch.setattr(tiny.decoder, "forward_batch", lambda tokens: real(tokens) + 1e-3)
     row = check.check_verify_vs_step(tiny)
+    assert not row.passed and "max |diff| 1.00e-03" in row.figure
+
+
+def test_a_drifting_verify_row_fails_the_row_invariance_check(tiny, monkeypatch):
+    real = tiny.decoder.forward_batch
+    monkeypatch.setattr(tiny.decoder, "forward_batch", lambda tokens: real(tokens) + 1e-3)
+    row = check.check_row_invariance(tiny)
     assert not row.passed and "max |diff| 1.00e-03" in row.figure
 
 
@@ -194,4 +202,4 @@ def test_check_passes_on_the_default_model(capsys):
     out, err = capsys.readouterr()
     print(out)
     assert rc == 0, out + err
-    assert "11/11 checks passed" in out
+    assert "12/12 checks passed" in out

@@ -22,7 +22,7 @@ from ortspec.runtime import (
     speculative_decode_with,
     warp,
 )
-from stats_helpers import assert_matches_distribution
+from stats_helpers import assert_matches_distribution, assert_matches_marginals, count_speculative_tokens
 
 # -- exact marginals ----------------------------------------------------------------------------
 
@@ -82,25 +82,11 @@ def test_speculative_decode_at_temperature_matches_plain_sampling(case, drafter_
     marginals, joint2 = exact_marginals(decoder, prompt, n_new, **kw)
     drafter = _drafter(drafter_name.split("+")[0], SMALL.vocab_size)
     policy = _policy() if drafter_name.endswith("+policy") else None
-    counts = np.zeros((n_new, SMALL.vocab_size), dtype=np.int64)
-    joint_counts = np.zeros(SMALL.vocab_size**2, dtype=np.int64)
-    accepted = drafted = 0
-    for seed in range(n_runs):
-        res = speculative_decode_with(
-            decoder, prompt, drafter, SpeculativeOptions(n_new, seed=seed, **kw), draft_length=policy
-        )
-        assert len(res.tokens) == n_new
-        for i, t in enumerate(res.tokens):
-            counts[i, t] += 1
-        joint_counts[res.tokens[0] * SMALL.vocab_size + res.tokens[1]] += 1
-        accepted += res.counters.accepted
-        drafted += res.counters.drafted
+    counts, joint_counts, accepted, drafted = count_speculative_tokens(
+        decoder, prompt, drafter, kw, n_new=n_new, n_runs=n_runs, policy=policy)
     # the drafts must have been exercised both ways, or the test proves nothing
     assert 0 < accepted < drafted
-    alpha = 1e-3 / (n_new + 1)
-    for i in range(n_new):
-        assert_matches_distribution(counts[i], marginals[i], alpha=alpha, what=f"{case} position {i}")
-    assert_matches_distribution(joint_counts, joint2, alpha=alpha, what=f"{case} first two tokens")
+    assert_matches_marginals(counts, joint_counts, marginals, joint2, what=case)
 
 
 def test_plain_sampling_matches_the_exact_marginals():
@@ -121,6 +107,23 @@ def test_plain_sampling_matches_the_exact_marginals():
 GREEDY = ReferenceConfig(vocab_size=24, d_model=32, n_layers=2, n_heads=4, capacity=256, logit_scale=4.0, seed=1)
 
 
+def assert_greedy_identity(decoder, drafters, new_tokens: int = 60) -> tuple[int, int]:
+    """Each drafter, with and without the cost model, decodes each greedy prompt exactly as plain
+    decoding does; returns the (accepted, rejected) drafts over all of them."""
+    accepted = rejected = 0
+    for prompt in _greedy_prompts():
+        options = SpeculativeOptions(new_tokens)
+        reference = plain_decode(decoder, prompt, options)
+        assert reference.counters.forward_token_calls == new_tokens
+        for drafter, policy in itertools.product(drafters, (None, _policy())):
+            res = speculative_decode_with(decoder, prompt, drafter, options, draft_length=policy)
+            assert res.tokens == reference.tokens, type(drafter).__name__
+            assert res.counters.emitted == len(res.tokens) == new_tokens
+            accepted += res.counters.accepted
+            rejected += res.counters.rejected
+    return accepted, rejected
+
+
 def _greedy_prompts():
     rng = np.random.default_rng(8)
     for _ in range(6):
@@ -138,17 +141,7 @@ def test_speculative_decode_matches_greedy_token_for_token(max_verify_len):
         RandomDrafter(GREEDY.vocab_size, 5, seed=2),
         DraftModelDrafter(ReferenceDecoder(ReferenceConfig(**{**GREEDY.__dict__, "seed": 2})), max_draft_len=4),
     ]
-    accepted = rejected = 0
-    for prompt in _greedy_prompts():
-        options = SpeculativeOptions(60)
-        reference = plain_decode(decoder, prompt, options)
-        assert reference.counters.forward_token_calls == 60
-        for drafter, policy in itertools.product(drafters, (None, _policy())):
-            res = speculative_decode_with(decoder, prompt, drafter, options, draft_length=policy)
-            assert res.tokens == reference.tokens, type(drafter).__name__
-            assert res.counters.emitted == len(res.tokens) == 60
-            accepted += res.counters.accepted
-            rejected += res.counters.rejected
+    accepted, rejected = assert_greedy_identity(decoder, drafters)
     assert accepted > 0 and rejected > 0
 
 

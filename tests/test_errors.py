@@ -31,7 +31,6 @@ from ortspec.runtime import (
     InvalidPromptError,
     ManifestError,
     NonFiniteLogitsError,
-    OrtspecError,
     PromptLookupSpeculator,
     ProviderError,
     ReferenceConfig,

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 

@@ -1,6 +1,5 @@
 """The README's Python examples run as written (from the repository root)."""
 
-import os
 import re
 from pathlib import Path
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
+
 from ..errors import InvalidOptionError
 from ..protocols import DraftLengthPolicy, Drafter
 from ..sampling import DraftBlock
@@ -27,6 +29,11 @@ class FallbackDrafter:
     def begin(self, options: "SpeculativeOptions", draft_length: DraftLengthPolicy | None) -> None:
         for d in self.drafters:
             d.begin(options, draft_length)
+
+    def observe_target(self, start: int, logits: np.ndarray) -> None:  # logits: [n, vocab]
+        """Every drafter sees every target row, whichever of them drafted."""
+        for d in self.drafters:
+            d.observe_target(start, logits)
 
     def propose(self, history: Sequence[int], max_tokens: int) -> DraftBlock:
         for d in self.drafters:

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import InvalidOptionError
 from ..history import TokenHistory
-from ..protocols import Decoder, DraftLengthPolicy
+from ..protocols import Decoder, DraftLengthPolicy, DrafterBase
 from ..sampling import DraftBlock, DraftDist, check_sampling_options, sample_from, warp
 from ..validation import check_int
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 SOURCE = "draft_model"  # DraftBlock.source of these drafts
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(DrafterBase):
     """Autoregressive drafts from `decoder`, its KV cache kept in step with the history.
 
     `temperature=None` (and top_k / top_p None) follow the request's own sampling options, which

@@ -21,7 +21,7 @@ from typing import Literal, Sequence
 
 from ..errors import InvalidOptionError
 from ..history import TokenHistory
-from ..protocols import DraftLengthPolicy
+from ..protocols import DraftLengthPolicy, DrafterBase
 from ..sampling import DraftBlock
 from ..validation import check_int
 
@@ -30,6 +30,18 @@ SOURCE = "prompt_lookup"  # DraftBlock.source of these drafts
 # The prior chance that a drafted token is accepted, by the length of the match behind it (a
 # longer matched n-gram predicts its continuation better); the draft-length policy starts here.
 PRIOR_BY_MATCH_LEN = {1: 0.3, 2: 0.45, 3: 0.6}
+
+
+def check_lookup_sizes(ngram_size: object, min_ngram_size: object, max_draft_len: object) -> None:
+    """The sizes every n-gram lookup drafter takes (this one, and those of `continuations`):
+    1 <= min_ngram_size <= ngram_size, max_draft_len >= 0, else InvalidOptionError."""
+    check_int("ngram_size", ngram_size, minimum=1)
+    check_int("min_ngram_size", min_ngram_size, minimum=1)
+    if min_ngram_size > ngram_size:  # type: ignore[operator]
+        raise InvalidOptionError(
+            f"min_ngram_size ({min_ngram_size}) must be <= ngram_size ({ngram_size})"
+        )
+    check_int("max_draft_len", max_draft_len, minimum=0)
 
 
 class NgramIndex:
@@ -69,7 +81,7 @@ class NgramIndex:
         return -1, 0
 
 
-class PromptLookupSpeculator:
+class PromptLookupSpeculator(DrafterBase):
     """Drafter: continuation of the longest earlier match of the last `ngram_size`..`min_ngram_size`
     tokens, up to `max_draft_len` tokens (and never more than the caller's `max_tokens`)."""
 
@@ -81,13 +93,7 @@ class PromptLookupSpeculator:
         *,
         prefer: Prefer = "recent",
     ) -> None:
-        check_int("ngram_size", ngram_size, minimum=1)
-        check_int("min_ngram_size", min_ngram_size, minimum=1)
-        if min_ngram_size > ngram_size:
-            raise InvalidOptionError(
-                f"min_ngram_size ({min_ngram_size}) must be <= ngram_size ({ngram_size})"
-            )
-        check_int("max_draft_len", max_draft_len, minimum=0)
+        check_lookup_sizes(ngram_size, min_ngram_size, max_draft_len)
         if prefer not in ("recent", "first"):
             raise InvalidOptionError(f"prefer must be 'recent' or 'first', got {prefer!r}")
         self.ngram_size = ngram_size
