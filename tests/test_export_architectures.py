@@ -26,6 +26,7 @@ from ortspec.runtime import manifest as mf
 from ortspec.runtime.check_cli import main as check_main
 from ortspec.runtime.errors import ExportError
 from ortspec.runtime.ort_decoder import OrtDecoder
+from ortspec.runtime.row_invariance import row_differences
 
 CAP, VERIFY = 64, 4
 PROMPT_LEN = 60  # longer than every sliding window below (16, 24)
@@ -220,6 +221,23 @@ def test_family_exports_and_matches_transformers(name, sources, exports):
     m = mf.read_manifest(out)
     assert m.extra["validation"]["verify_vs_pytorch"] <= 1e-3
     _check_logits(sources(name), out)
+    _check_greedy_identity(out)
+    assert check_main(["--model", str(out), "--draws", "2000"]) == 0
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_int4_export_is_exact_under_speculation(name, sources, tmp_path):
+    """--quant int4 on every row: validated against PyTorch on the dequantized weights (inside
+    the export), every verify row bitwise its step, greedy identity, `ortspec check`."""
+    out = export_model(sources(name), out=tmp_path / "int4", capacity=CAP, max_verify_len=VERIFY,
+                       progress=False, quant="int4")
+    m = mf.read_manifest(out)
+    v = m.extra["validation"]
+    assert m.min_call_rows == 2 and v["step_vs_verify"] == 0.0
+    assert v["verify_vs_pytorch"] <= v["bound_vs_pytorch"]
+    rows = row_differences(OrtDecoder(out), _prompt()[:20], _prompt()[20:20 + VERIFY + 1],
+                           block_lengths=range(1, VERIFY + 1), offsets=(0, 1))
+    assert rows.differing == 0
     _check_greedy_identity(out)
     assert check_main(["--model", str(out), "--draws", "2000"]) == 0
 
