@@ -134,6 +134,21 @@ def test_every_verify_row_equals_its_step_bitwise_and_one_row_calls_would_not(in
     assert res.differing > 0
 
 
+def test_padding_holds_with_ping_pong_kv_buffers_too(int4_dir):
+    """The TensorRT KV mode (two buffer sets, past copied over by the graph), forced on the CPU:
+    rows still equal steps bitwise, and the logits equal the in-place mode's."""
+    prompt, cont = _ids(20, 4), _ids(VERIFY + 1, 5)
+    pp = OrtDecoder(int4_dir, kv_mode="ping-pong")
+    res = row_differences(pp, prompt, cont, block_lengths=list(range(1, VERIFY + 1)))
+    assert res.differing == 0
+    shared = OrtDecoder(int4_dir)
+    for dec in (pp, shared):
+        dec.reset()
+        dec.prefill(prompt)
+    for t in cont:
+        np.testing.assert_array_equal(pp.forward_token(t), shared.forward_token(t))
+
+
 def test_int4_speculative_greedy_equals_plain_decoding(int4_dir):
     model = load_model(int4_dir)
     options = SpeculativeOptions(max_new_tokens=40, stop_token_ids=())
