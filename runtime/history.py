@@ -59,3 +59,29 @@ class TokenHistory(list):
     def reverse(self) -> None:
         self._edited()
         super().reverse()
+
+
+class HistoryFollower:
+    """Keeps a drafter's token index level with the histories it is shown: `sync` appends what
+    is new, or asks for a fresh index when the history diverged from what the index holds.
+
+    O(new tokens) when the history is the `TokenHistory` seen last time with no edit since (what
+    the decode loops pass); otherwise the old prefix is compared in full. The index needs a
+    `tokens` list and an `extend` method (the n-gram indexes of the drafters)."""
+
+    def __init__(self) -> None:
+        self._source: Any = None  # the history object last seen
+        self._edits = -1  # its edit count then, if it is a TokenHistory
+
+    def sync(self, index: Any, history: Any, fresh: Any) -> Any:
+        """The index brought up to `history` (`fresh()` makes an empty one when it diverged)."""
+        n_old = len(index.tokens)
+        unedited = (history is self._source and isinstance(history, TokenHistory)
+                    and history.edits == self._edits)
+        if not (len(history) >= n_old and (unedited or list(history[:n_old]) == index.tokens)):
+            index, n_old = fresh(), 0
+        self._source = history
+        self._edits = history.edits if isinstance(history, TokenHistory) else -1
+        if len(history) > n_old:
+            index.extend(history[n_old:])
+        return index

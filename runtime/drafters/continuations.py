@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import numpy as np
 
-from ..history import TokenHistory
+from ..history import HistoryFollower
 from ..protocols import DraftLengthPolicy, DrafterBase
 from ..sampling import DraftBlock, DraftDist, sample_from
 from ..validation import check_int
@@ -151,8 +151,7 @@ class SampledLookupState(DrafterBase):
         self.top_p: float | None = None
         self.rng = np.random.default_rng(seed)
         self.index = ContinuationIndex(min_ngram_size, ngram_size)
-        self._source: Sequence[int] | None = None  # the history object last seen
-        self._source_edits = -1  # its edit count then, if it is a TokenHistory
+        self._follower = HistoryFollower()
 
     def begin(self, options: "SpeculativeOptions", draft_length: DraftLengthPolicy | None = None) -> None:
         """A new request: forget the previous history, follow its sampling options and seed."""
@@ -162,24 +161,15 @@ class SampledLookupState(DrafterBase):
         self.reset()
 
     def reset(self) -> None:
-        self.index = ContinuationIndex(self.min_ngram_size, self.ngram_size)
-        self._source = None
-        self._source_edits = -1
+        self.index = self._fresh_index()
+        self._follower = HistoryFollower()
+
+    def _fresh_index(self) -> "ContinuationIndex":
+        return ContinuationIndex(self.min_ngram_size, self.ngram_size)
 
     def sync(self, history: Sequence[int]) -> None:
-        """Bring the index up to `history`: append what is new, rebuild if it diverged (O(new
-        tokens) for the unedited `TokenHistory` the decode loops pass)."""
-        idx = self.index
-        n_old = len(idx.tokens)
-        unedited = (history is self._source and isinstance(history, TokenHistory)
-                    and history.edits == self._source_edits)
-        if not (len(history) >= n_old and (unedited or list(history[:n_old]) == idx.tokens)):
-            self.reset()
-            idx, n_old = self.index, 0
-        self._source = history
-        self._source_edits = history.edits if isinstance(history, TokenHistory) else -1
-        if len(history) > n_old:
-            idx.extend(history[n_old:])
+        """Bring the index up to `history` (`HistoryFollower.sync`)."""
+        self.index = self._follower.sync(self.index, history, self._fresh_index)
 
     def block(self, history: Sequence[int], max_tokens: int, q_of: QOf) -> DraftBlock:
         """Sync, then `sample_lookup_block` with `q_of`, as a DraftBlock of this drafter's

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Literal, Sequence
 
 from ..errors import InvalidOptionError
-from ..history import TokenHistory
+from ..history import HistoryFollower
 from ..protocols import DraftLengthPolicy, DrafterBase
 from ..sampling import DraftBlock
 from ..validation import check_int
@@ -101,38 +101,22 @@ class PromptLookupSpeculator(DrafterBase):
         self.max_draft_len = max_draft_len
         self.prefer: Prefer = prefer
         self._index = NgramIndex(min_ngram_size, ngram_size, prefer)
-        self._source: Sequence[int] | None = None  # the history object last seen
-        self._source_edits = -1  # its edit count then, if it is a TokenHistory
+        self._follower = HistoryFollower()
 
     def begin(self, options: object, draft_length: DraftLengthPolicy | None = None) -> None:
         """A new request: forget the previous history."""
         self.reset()
 
     def reset(self) -> None:
-        self._index = NgramIndex(self.min_ngram_size, self.ngram_size, self.prefer)
-        self._source = None
-        self._source_edits = -1
+        self._index = self._fresh_index()
+        self._follower = HistoryFollower()
+
+    def _fresh_index(self) -> "NgramIndex":
+        return NgramIndex(self.min_ngram_size, self.ngram_size, self.prefer)
 
     def _sync(self, history: Sequence[int]) -> None:
-        """Bring the index up to `history`: append what is new, rebuild if it diverged.
-
-        O(new tokens) when `history` is the `TokenHistory` seen last time with no edit since
-        (what the decode loops pass); otherwise the old prefix is compared in full."""
-        idx = self._index
-        n_old = len(idx.tokens)
-        unedited = (
-            history is self._source
-            and isinstance(history, TokenHistory)
-            and history.edits == self._source_edits
-        )
-        same = len(history) >= n_old and (unedited or list(history[:n_old]) == idx.tokens)
-        if not same:
-            self.reset()
-            idx, n_old = self._index, 0
-        self._source = history
-        self._source_edits = history.edits if isinstance(history, TokenHistory) else -1
-        if len(history) > n_old:
-            idx.extend(history[n_old:])
+        """Bring the index up to `history` (`HistoryFollower.sync`)."""
+        self._index = self._follower.sync(self._index, history, self._fresh_index)
 
     def propose(self, history: Sequence[int], max_tokens: int) -> DraftBlock:
         limit = min(self.max_draft_len, max_tokens)
