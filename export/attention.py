@@ -86,29 +86,35 @@ def _split_qkv(b: GraphBuilder, qkv: str) -> list[str]:
 
 
 def _standard_preamble(b: GraphBuilder) -> dict[str, str]:
+    """Per-row positions from the mask: row r holds past_r + S ones, so its new tokens sit at
+    past_r .. past_r + S - 1 (rows of one call may have different pasts)."""
     g, cap = b.g, b.options.capacity
-    one = g.const("one_i64", np.array(1, np.int64))
-    total = g.op1("Squeeze", [g.op1("Shape", [mf.ATTENTION_MASK], start=1, end=2)])  # past + S
-    s = g.op1("Squeeze", [g.op1("Shape", [mf.INPUT_IDS], start=1, end=2)])  # S
-    past = g.op1("Sub", [total, s])
-    positions = g.op1("Range", [past, total, one])  # [S]: past .. past + S - 1
     axis0 = g.const("axes_0", np.array([0], np.int64))
     axis1 = g.const("axes_1", np.array([1], np.int64))
-    slots = g.const("kv_slots", np.arange(cap, dtype=np.int64)[None, :])  # [1, capacity]
-    # query s sees key slot j when j <= its own position: [S, capacity] bool
-    mask = g.op1("LessOrEqual", [slots, g.op1("Unsqueeze", [positions, axis1])])
+    axis_last = g.const("axes_last", np.array([-1], np.int64))
+    valid = g.op1("ReduceSum", [mf.ATTENTION_MASK, axis1], keepdims=0)  # [B]: past_r + S
+    s = g.op1("Shape", [mf.INPUT_IDS], start=1, end=2)  # [1]: S
+    past = g.op1("Sub", [valid, s])  # [B]
+    zero = g.const("zero_i64", np.array(0, np.int64))
+    one = g.const("one_i64", np.array(1, np.int64))
+    steps = g.op1("Range", [zero, g.op1("Squeeze", [s, axis0]), one])  # [S]: 0 .. S - 1
+    positions = g.op1("Add", [g.op1("Unsqueeze", [past, axis1]),
+                              g.op1("Unsqueeze", [steps, axis0])])  # [B, S]
+    slots = g.const("kv_slots", np.arange(cap, dtype=np.int64)[None, None, :])  # [1, 1, cap]
+    # query s of row r sees key slot j when j <= its own position: [B, 1, S, capacity] bool
+    mask = g.op1("LessOrEqual", [slots, g.op1("Unsqueeze", [positions, axis_last])])
     return {
-        "position_ids": g.op1("Unsqueeze", [positions, axis0]),  # [1, S]
-        "write_index": g.op1("Unsqueeze", [past, axis0]),  # [1]: where the new rows go
-        "valid": g.op1("Unsqueeze", [total, axis0]),  # [1]: nonpad_kv_seqlen
-        "mask": mask,
+        "position_ids": positions,  # [B, S]
+        "write_index": past,  # [B]: where each row's new rows go
+        "valid": valid,  # [B]: nonpad_kv_seqlen
+        "mask": g.op1("Unsqueeze", [mask, axis1]),  # [B, 1, S, capacity]
         "positions": positions,
     }
 
 
 def _heads_first(b: GraphBuilder, x: str, heads: int) -> str:
-    """[1, S, heads * hd] -> [1, heads, S, hd]."""
-    shape = b.g.const(f"shape_heads_{heads}", np.array([1, -1, heads, b.spec.head_dim], np.int64))
+    """[B, S, heads * hd] -> [B, heads, S, hd]."""
+    shape = b.g.const(f"shape_heads_{heads}", np.array([0, -1, heads, b.spec.head_dim], np.int64))
     return b.g.op1("Transpose", [b.g.op1("Reshape", [x, shape])], perm=[0, 2, 1, 3])
 
 
@@ -119,11 +125,13 @@ def _window_mask(b: GraphBuilder, window: int, ctx: dict[str, str]) -> str:
     if name not in ctx:
         g = b.g
         cap = b.options.capacity
-        slots = g.const("kv_slots", np.arange(cap, dtype=np.int64)[None, :])  # [1, capacity]
+        slots = g.const("kv_slots", np.arange(cap, dtype=np.int64)[None, None, :])  # [1, 1, cap]
         w = g.const(f"window_{window}", np.array(window, np.int64))
         start = g.op1("Unsqueeze", [g.op1("Sub", [ctx["positions"], w]),
-                                    g.const("axes_1", np.array([1], np.int64))])  # [S, 1]
-        ctx[name] = g.op1("And", [ctx["mask"], g.op1("Greater", [slots, start])])
+                                    g.const("axes_last", np.array([-1], np.int64))])  # [B, S, 1]
+        band = g.op1("Greater", [slots, start])  # [B, S, capacity]
+        ctx[name] = g.op1("And", [ctx["mask"], g.op1(
+            "Unsqueeze", [band, g.const("axes_1", np.array([1], np.int64))])])
     return ctx[name]
 
 
@@ -154,11 +162,78 @@ def _standard_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) 
     y = g.op1("Attention", [_heads_first(b, q, spec.num_heads), key, value, mask, "", "",
                             ctx["valid"]], scale=float(spec.attention_scale), is_causal=0,
               **({"softcap": float(spec.attn_softcap)} if spec.attn_softcap else {}))
-    flat = g.const("shape_rows_attn", np.array([1, -1, q_dim], np.int64))
-    return g.op1("Reshape", [g.op1("Transpose", [y], perm=[0, 2, 1, 3]), flat])  # [1, S, q_dim]
+    flat = g.const("shape_rows_attn", np.array([0, -1, q_dim], np.int64))
+    return g.op1("Reshape", [g.op1("Transpose", [y], perm=[0, 2, 1, 3]), flat])  # [B, S, q_dim]
+
+
+# -- standard ONNX ops over the valid window only (the batched CPU graph) --------------------------
+
+
+def _window_preamble(b: GraphBuilder) -> dict[str, str]:
+    """As the standard preamble, but the mask covers the first W key slots only, W the mask's
+    width (the longest row's past + S): attention reads [B, kv_heads, W, hd], not the capacity."""
+    ctx = _standard_preamble(b)
+    g = b.g
+    axis_last = g.const("axes_last", np.array([-1], np.int64))
+    axis1 = g.const("axes_1", np.array([1], np.int64))
+    width = g.op1("Shape", [mf.ATTENTION_MASK], start=1, end=2)  # [1]: W
+    zero = g.const("zero_i64", np.array(0, np.int64))
+    one = g.const("one_i64", np.array(1, np.int64))
+    axis0 = g.const("axes_0", np.array([0], np.int64))
+    slots = g.op1("Range", [zero, g.op1("Squeeze", [width, axis0]), one])  # [W]
+    mask = g.op1("LessOrEqual", [slots, g.op1("Unsqueeze", [ctx["positions"], axis_last])])
+    ctx["mask"] = g.op1("Unsqueeze", [mask, axis1])  # [B, 1, S, W]
+    ctx["width"] = width
+    ctx["slots"] = slots
+    return ctx
+
+
+def _window_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) -> str:
+    g, spec = b.g, b.spec
+    q_dim = spec.num_heads * spec.head_dim
+    q, k, v = _split_qkv(b, qkv)
+    if spec.qk_norm:
+        q = b.head_norm(q, spec.num_heads, f"layers.{i}.q_norm")
+        k = b.head_norm(k, spec.num_kv_heads, f"layers.{i}.k_norm")
+    if spec.uses_rope(i):
+        rope: dict[str, Any] = {"interleaved": 0}
+        if spec.rotary_dims != spec.head_dim:
+            rope["rotary_embedding_dim"] = spec.rotary_dims
+        cos, sin = spec.rope_tables(i)
+        q = g.op1("RotaryEmbedding", [q, cos, sin, ctx["position_ids"]],
+                  num_heads=spec.num_heads, **rope)
+        k = g.op1("RotaryEmbedding", [k, cos, sin, ctx["position_ids"]],
+                  num_heads=spec.num_kv_heads, **rope)
+    key, value = mf.present_key_name(i), mf.present_value_name(i)
+    g.op("TensorScatter", [mf.past_key_name(i), _heads_first(b, k, spec.num_kv_heads),
+                           ctx["write_index"]], outputs=[key], axis=2)
+    g.op("TensorScatter", [mf.past_value_name(i), _heads_first(b, v, spec.num_kv_heads),
+                           ctx["write_index"]], outputs=[value], axis=2)
+    zero = g.const("axes_0_start", np.array([0], np.int64))
+    axis2 = g.const("axes_2", np.array([2], np.int64))
+    key_w = g.op1("Slice", [key, zero, ctx["width"], axis2])  # [B, kv_heads, W, hd]
+    value_w = g.op1("Slice", [value, zero, ctx["width"], axis2])
+    window = spec.window(i)
+    mask = ctx["mask"]
+    if window:
+        name = f"mask_window_{window}"
+        if name not in ctx:
+            w = g.const(f"window_{window}", np.array(window, np.int64))
+            start = g.op1("Unsqueeze", [g.op1("Sub", [ctx["positions"], w]),
+                                        g.const("axes_last", np.array([-1], np.int64))])
+            band = g.op1("Greater", [ctx["slots"], start])  # [B, S, W]
+            ctx[name] = g.op1("And", [mask, g.op1(
+                "Unsqueeze", [band, g.const("axes_1", np.array([1], np.int64))])])
+        mask = ctx[name]
+    y = g.op1("Attention", [_heads_first(b, q, spec.num_heads), key_w, value_w, mask],
+              scale=float(spec.attention_scale), is_causal=0,
+              **({"softcap": float(spec.attn_softcap)} if spec.attn_softcap else {}))
+    flat = g.const("shape_rows_attn", np.array([0, -1, q_dim], np.int64))
+    return g.op1("Reshape", [g.op1("Transpose", [y], perm=[0, 2, 1, 3]), flat])  # [B, S, q_dim]
 
 
 FLAVOURS = {
     "gqa": Flavour(preamble=_gqa_preamble, attention=_gqa_attention),
     "standard": Flavour(preamble=_standard_preamble, attention=_standard_attention),
+    "window": Flavour(preamble=_window_preamble, attention=_window_attention),
 }

@@ -167,12 +167,13 @@ class GraphBuilder:
         return h, total
 
     def head_norm(self, x: str, heads: int, weight_name: str) -> str:
-        """RMSNorm over each head of x [1, S, heads * head_dim] with one [head_dim] weight
-        (Qwen3's q_norm and k_norm): reshaped to [1, S, heads, head_dim] and back."""
+        """RMSNorm over each head of x [B, S, heads * head_dim] with one [head_dim] weight
+        (Qwen3's q_norm and k_norm): reshaped to [B, S, heads, head_dim] and back (a 0 in a
+        Reshape shape keeps that input dimension)."""
         g, hd = self.g, self.spec.head_dim
         w, eps = self.weight(weight_name), float(self.spec.rms_norm_eps)
-        split = g.const(f"shape_heads_{heads}", np.array([1, -1, heads, hd], np.int64))
-        flat = g.const(f"shape_flat_{heads}", np.array([1, -1, heads * hd], np.int64))
+        split = g.const(f"shape_head_rows_{heads}", np.array([0, -1, heads, hd], np.int64))
+        flat = g.const(f"shape_head_flat_{heads}", np.array([0, -1, heads * hd], np.int64))
         op = "RMSNormalization" if self.options.attention == "standard" else \
             "SimplifiedLayerNormalization"
         y = g.op1(op, [g.op1("Reshape", [x, split]), w], axis=-1, epsilon=eps, stash_type=1)
@@ -194,9 +195,10 @@ class GraphBuilder:
             self.inits.append(alias(self._init("embed"), lm_head))
             flat = g.op1("Reshape", [h, g.const("shape_rows_hidden",
                                                 np.array([-1, spec.hidden_size], np.int64))])
-            rows = g.op1("Gemm", [flat, lm_head], transB=1)  # [S, vocab]
-            logits = g.op1("Reshape", [rows, g.const("shape_logits",
-                                                     np.array([1, -1, spec.vocab_size], np.int64))])
+            rows = g.op1("Gemm", [flat, lm_head], transB=1)  # [B * S, vocab]
+            vocab = g.const("vocab_dim", np.array([spec.vocab_size], np.int64))
+            shape = g.op1("Concat", [g.op1("Shape", [mf.INPUT_IDS]), vocab], axis=0)  # [B, S, V]
+            logits = g.op1("Reshape", [rows, shape])
         else:
             logits = g.op1("MatMul", [h, self.weight("lm_head", transpose=True)])
         if self.options.dtype != "fp32":

@@ -15,12 +15,12 @@ import numpy as np
 from ortspec.runtime import manifest as mf
 
 MS = "com.microsoft"  # the domain of onnxruntime's contrib ops
-ATTENTIONS = ("gqa", "standard")
+ATTENTIONS = ("gqa", "standard", "window")
 # gqa: Shape(start=, end=) needs 15, ReduceSum with axes as an input 13.
 # standard: TensorScatter and Attention's nonpad_kv_seqlen need 24.
-MIN_OPSET = {"gqa": 17, "standard": 24}
+MIN_OPSET = {"gqa": 17, "standard": 24, "window": 24}
 MAX_OPSET = 24  # the newest ai.onnx opset checked against onnxruntime 1.32 here
-DEFAULT_OPSET = {"gqa": 21, "standard": 24}
+DEFAULT_OPSET = {"gqa": 21, "standard": 24, "window": 24}
 FAMILIES = mf.FAMILIES  # what the exporter builds is what a manifest may record
 MLP_ACTS = ("silu", "gelu_tanh")  # gate activation of the gated MLP
 NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}

@@ -76,7 +76,7 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
     if spec.local_rope != (local_rope is not None):
         raise ValueError("local_rope tables are needed exactly when spec.local_rope is set")
     check_opset(options.attention, options.opset)
-    if options.quant is not None and options.attention != "gqa":
+    if options.quant is not None and options.attention == "standard":
         raise ValueError("quantized weights (MatMulNBits, a com.microsoft op) need the gqa "
                          "attention flavour")
     flavour = FLAVOURS[options.attention]
@@ -142,14 +142,15 @@ def _activation(b: GraphBuilder, gate: str) -> str:
 def _make_model(spec: DecoderSpec, options: GraphOptions, g: NodeList,
                 inits: list[TensorProto]) -> onnx.ModelProto:
     kv_type = ONNX_DTYPES[options.dtype]
-    kv_shape = [1, spec.num_kv_heads, options.capacity, spec.head_dim]
+    batch = "batch"  # B rows, each with its own valid length (its mask row's sum)
+    kv_shape = [batch, spec.num_kv_heads, options.capacity, spec.head_dim]
     inputs = [
-        helper.make_tensor_value_info(mf.INPUT_IDS, TensorProto.INT64, [1, "sequence_length"]),
+        helper.make_tensor_value_info(mf.INPUT_IDS, TensorProto.INT64, [batch, "sequence_length"]),
         helper.make_tensor_value_info(mf.ATTENTION_MASK, TensorProto.INT64,
-                                      [1, "total_sequence_length"]),
+                                      [batch, "total_sequence_length"]),
     ]
     outputs = [helper.make_tensor_value_info(mf.LOGITS, TensorProto.FLOAT,
-                                             [1, "sequence_length", spec.vocab_size])]
+                                             [batch, "sequence_length", spec.vocab_size])]
     for i in range(spec.num_layers):
         for past, present in ((mf.past_key_name(i), mf.present_key_name(i)),
                               (mf.past_value_name(i), mf.present_value_name(i))):
@@ -160,7 +161,7 @@ def _make_model(spec: DecoderSpec, options: GraphOptions, g: NodeList,
     model = helper.make_model(
         graph,
         opset_imports=[helper.make_opsetid("", options.opset)]
-        + ([helper.make_opsetid(MS, 1)] if options.attention == "gqa" else []),
+        + ([helper.make_opsetid(MS, 1)] if options.attention != "standard" else []),
         producer_name="ortspec.export",
     )
     model.ir_version = min(model.ir_version, 10)  # onnxruntime 1.20+ reads IR 10

@@ -157,3 +157,101 @@ def calibrated_cost_curve(decoder: Decoder, key: CalibrationKey | str | os.PathL
     except OSError:
         pass  # a read-only cache only costs a re-measurement next time
     return curve
+
+
+SURFACE_ROWS = (1, 2, 4, 8, 16)  # batch sizes a cost surface is measured at (up to the pool's)
+SURFACE_TOKENS = (2, 4, 8, 16)  # tokens a row (every call of a batched graph runs >= 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class CostSurface:
+    """c(rows, tokens): the measured seconds of one batched call of `rows` rows with `tokens`
+    new tokens each, on a grid (linear in between, and beyond the grid from its last two
+    points). A row's draft-length policy prices its block with `curve(rows)`, the cost of the
+    shared call it will ride in, so speculation stops paying where the measurements say so."""
+
+    rows: tuple[int, ...]
+    tokens: tuple[int, ...]
+    seconds: tuple[tuple[float, ...], ...]  # [len(rows)][len(tokens)]
+
+    def cost(self, rows: int, tokens: int) -> float:
+        grid = np.asarray(self.seconds)
+        by_tokens = [float(np.interp(tokens, self.tokens, line)) if tokens <= self.tokens[-1]
+                     else _extend(self.tokens, line, tokens) for line in grid]
+        if rows <= self.rows[-1]:
+            return float(np.interp(rows, self.rows, by_tokens))
+        return _extend(self.rows, by_tokens, rows)
+
+    def curve(self, rows: int, max_len: int) -> CostCurve:
+        """The cost of a call of 1..max_len tokens a row at `rows` rows (1 token costs as 2:
+        the graph's calls run at least two)."""
+        return CostCurve(tuple(self.cost(rows, max(n, self.tokens[0]))
+                               for n in range(1, max_len + 1)))
+
+    @classmethod
+    def measure(cls, backend, *, max_len: int, floors: np.ndarray | None = None,
+                context: int = CALIBRATION_CONTEXT, repeats: int = 3,
+                seed: int = 0) -> "CostSurface":
+        """Time batched calls on `backend` (no other call running) with the rows at `context`
+        tokens, the grid interleaved so the machine's drift hits it alike; median per point,
+        made non-decreasing along both axes. `floors` [max_rows]: lengths of caches in use,
+        which the timed calls write past, never into (a row at its floor + max_len fits)."""
+        rows = tuple(r for r in SURFACE_ROWS if r < backend.max_rows) + (backend.max_rows,)
+        tokens = tuple(t for t in SURFACE_TOKENS if t < max_len) + (max_len,)
+        rows, tokens = tuple(sorted(set(rows))), tuple(sorted(set(tokens)))
+        context = max(1, min(context, backend.capacity - max_len))
+        rng = np.random.default_rng(seed)
+        times: dict[tuple[int, int], list[float]] = {(r, t): [] for r in rows for t in tokens}
+        grid = list(times)
+        lengths = np.full(backend.max_rows, context, np.int64)
+        if floors is not None:
+            lengths = np.where(np.maximum(lengths, floors) + max_len <= backend.capacity,
+                               np.maximum(lengths, floors), floors)
+        for rep in range(repeats + 1):
+            for r, t in grid if rep % 2 else grid[::-1]:
+                ids = rng.integers(0, backend.vocab_size, size=(r, t))
+                t0 = time.perf_counter()
+                backend.run(0, r, ids, lengths[:r])
+                if rep:  # the first round warms up
+                    times[(r, t)].append(time.perf_counter() - t0)
+        med = np.array([[float(np.median(times[(r, t)])) for t in tokens] for r in rows])
+        med = np.maximum.accumulate(np.maximum.accumulate(med, axis=0), axis=1)
+        return cls(rows, tokens, tuple(tuple(float(x) for x in line) for line in med))
+
+
+def _extend(xs: Sequence[int], ys: Sequence[float], x: int) -> float:
+    if len(xs) == 1:
+        return float(ys[0]) * x / xs[0]
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return float(ys[-1] + slope * (x - xs[-1]))
+
+
+def calibrated_cost_surface(backend, key: CalibrationKey, *, max_len: int,
+                            floors: np.ndarray | None = None, refresh: bool = False) -> CostSurface:
+    """`CostSurface.measure` on `backend`, cached beside the cost curves (file name
+    `<curve's>-batch<max_rows>.json`)."""
+    path = cache_root() / "calibration" / key.file_name().replace(
+        ".json", f"-batch{backend.max_rows}.json")
+    if not refresh:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            surface = CostSurface(tuple(data["rows"]), tuple(data["tokens"]),
+                                  tuple(tuple(line) for line in data["seconds"]))
+            if data.get("version") == CALIBRATION_VERSION and surface.tokens[-1] == max_len \
+                    and surface.rows[-1] == backend.max_rows and all(
+                    x > 0 for line in surface.seconds for x in line):
+                return surface
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    surface = CostSurface.measure(backend, max_len=max_len, floors=floors)
+    payload = json.dumps({"version": CALIBRATION_VERSION, "model": key.model_dir,
+                          "rows": list(surface.rows), "tokens": list(surface.tokens),
+                          "seconds": [list(line) for line in surface.seconds]}, indent=1)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(payload, encoding="utf-8")
+        tmp.replace(path)
+    except OSError:
+        pass
+    return surface

@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Iterator
+from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
-from .calibration import CostCurve
+from .calibration import CostCurve, CostSurface
 from .protocols import DraftLengthPolicy  # noqa: F401 - the protocol this module implements
 from .sampling import DraftBlock
 
@@ -208,6 +208,30 @@ class CostCorrection:
         return float(self.costs(n)[-1])
 
 
+class CallCosts(Protocol):
+    """What a policy prices a block with: c'(1) .. c'(n_max), learned from timed calls or not."""
+
+    def costs(self, n_max: int) -> np.ndarray: ...  # [n_max]
+
+    def observe(self, n_tokens: int, seconds: float) -> None: ...
+
+
+class BatchCosts:
+    """The costs of a row of a batched model (`batching.BatchRow`): the measured surface at the
+    number of rows decoding now, so a row drafts less when the shared call is wide and grows
+    steeply with S. Nothing is learned from a row's timed calls: their wall time includes
+    waiting for the other rows."""
+
+    def __init__(self, surface: CostSurface, rows: Callable[[], int]) -> None:
+        self.surface, self._rows = surface, rows
+
+    def costs(self, n_max: int) -> np.ndarray:  # [n_max]
+        return np.array(self.surface.curve(self._rows(), n_max).seconds)
+
+    def observe(self, n_tokens: int, seconds: float) -> None:
+        """Ignored (see the class docstring)."""
+
+
 class AdaptiveDraftLength:
     """The cost-model policy: k* = argmax E(k) / (c(k + 1) + k * c_draft).
 
@@ -216,7 +240,7 @@ class AdaptiveDraftLength:
 
     def __init__(self, curve: CostCurve, *, draft_step_seconds: float = 0.0,
                  acceptance: AcceptanceModel | None = None, learn_costs: bool = True,
-                 correction: CostCorrection | None = None,
+                 correction: CallCosts | None = None,
                  chosen: "collections.deque[int] | None" = None) -> None:
         self.curve = curve
         self.draft_step_seconds = draft_step_seconds
@@ -234,6 +258,14 @@ class AdaptiveDraftLength:
             self.curve, draft_step_seconds=self.draft_step_seconds,
             acceptance=self.acceptance.for_request(), learn_costs=self.learn_costs,
             correction=self.correction, chosen=self.chosen)
+
+    def for_batch_row(self, costs: BatchCosts) -> "AdaptiveDraftLength":
+        """A policy for one request on a batched model: this one's shared acceptance estimates
+        and report, the batch's costs."""
+        return AdaptiveDraftLength(
+            self.curve, draft_step_seconds=self.draft_step_seconds,
+            acceptance=self.acceptance.for_request(), learn_costs=False, correction=costs,
+            chosen=self.chosen)
 
     def _best(self, a: np.ndarray, per_draft: float) -> int:
         e = expected_tokens(a)

@@ -11,12 +11,15 @@ The export writes the manifest with `Manifest.to_json`; the runtime reads it wit
 directory and matches its recorded sha256. Graph inputs and outputs follow fixed names
 (`ortspec.runtime.graph_io`, re-exported here):
 
-    input_ids                  int64  [1, S]
-    attention_mask             int64  [1, past + S]   ones; its row sum is the valid length
-    position_ids (optional)    int64  [1, S]
-    past_key_values.{i}.key    dtype  [1, kv_heads, capacity, head_dim]   bound to present.{i}.key
-    past_key_values.{i}.value  dtype  [1, kv_heads, capacity, head_dim]   bound to present.{i}.value
-    logits                     fp32   [1, S, vocab]
+    input_ids                  int64  [B, S]
+    attention_mask             int64  [B, W]   row b: past_b + S ones, then zeros (W >= each)
+    position_ids (optional)    int64  [B, S]
+    past_key_values.{i}.key    dtype  [B, kv_heads, capacity, head_dim]   bound to present.{i}.key
+    past_key_values.{i}.value  dtype  [B, kv_heads, capacity, head_dim]   bound to present.{i}.value
+    logits                     fp32   [B, S, vocab]
+
+B is 1 unless the manifest's `max_batch` says the graph takes more rows (see
+`ortspec.runtime.batch_decoder`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ MANIFEST_FILE = "manifest.json"
 DTYPES = ("fp32", "fp16")
 ENTRY_POINTS = ("step", "verify")
 MAX_MIN_CALL_ROWS = 2
+MAX_BATCH = 256  # the most rows a manifest may declare for one batched call
 
 
 # architectures an export may record ("llama" covers Llama 2/3, SmolLM and Mistral)
@@ -114,6 +118,9 @@ class Manifest:
     # CPU kernels compute one row differently from the same row among several (see
     # runtime/row_invariance.py); the usable capacity is then one token less
     min_call_rows: int = 1
+    # the most requests one call may carry: graphs whose batch axis is dynamic (the
+    # GroupQueryAttention flavour) take B rows, each with its own valid length; 1 for the rest
+    max_batch: int = 1
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
@@ -272,6 +279,7 @@ def parse_manifest(data: Any) -> Manifest:
     if min_rows > max_verify_len or min_rows >= capacity:
         raise ManifestError(f"manifest.min_call_rows = {min_rows} needs max_verify_len >= "
                             f"{min_rows} and capacity > {min_rows}")
+    max_batch = _int_in(data, "max_batch", 1, MAX_BATCH, "manifest") if "max_batch" in data else 1
     return Manifest(
         source=source,
         architecture=arch,
@@ -289,6 +297,7 @@ def parse_manifest(data: Any) -> Manifest:
         extra=extra,
         format_version=version,
         min_call_rows=min_rows,
+        max_batch=max_batch,
     )
 
 

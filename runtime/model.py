@@ -24,7 +24,10 @@ from typing import Any, Generator, Iterator, Sequence
 
 from . import manifest as mf
 from .counters import DecodeCounters
-from .calibration import CalibrationKey, calibrated_cost_curve, step_cost_ratio
+from .batch_backend import OrtBatchBackend
+from .batching import BatchRunner
+from .calibration import CalibrationKey, CostSurface, calibrated_cost_curve, \
+    calibrated_cost_surface, step_cost_ratio
 from .decode import (
     DecodeStream,
     SpeculativeDecodeResult,
@@ -32,7 +35,7 @@ from .decode import (
     plain_decode_steps,
     speculative_decode_steps,
 )
-from .draft_length import AdaptiveDraftLength
+from .draft_length import AdaptiveDraftLength, BatchCosts
 from .drafters import DRAFTER_NAMES, NEEDS_DRAFT_MODEL
 from .drafters.composite import FallbackDrafter
 from .drafters.draft_model import DraftModelDrafter
@@ -58,14 +61,24 @@ class Model:
 
     def __init__(self, *, sessions: OrtSessions, tokenizer: Any, manifest: mf.Manifest, path: Path,
                  draft_sessions: OrtSessions | None = None, max_concurrent: int = DEFAULT_MAX_CONCURRENT,
-                 when_busy: WhenBusy = "wait", busy_timeout: float | None = None) -> None:
+                 when_busy: WhenBusy = "wait", busy_timeout: float | None = None,
+                 batch: bool | None = None) -> None:
         self.sessions = sessions
         self.tokenizer = tokenizer  # tokenizers.Tokenizer: encode/decode are read-only
         self.manifest = manifest
         self.path = path
         self.draft_sessions = draft_sessions
+        # concurrent requests share one call a step when the graph takes several rows
+        if batch is None:
+            batch = manifest.max_batch > 1 and max_concurrent > 1
+        self.runner: BatchRunner | None = None
+        if batch:
+            backend = OrtBatchBackend(sessions, max_rows=max_concurrent)
+            self.runner = BatchRunner(backend, max_verify_len=sessions.max_verify_len)
+            max_concurrent = backend.max_rows
         self.slots = SlotPool(self._new_slot, max_slots=max_concurrent, when_busy=when_busy,
                               timeout=busy_timeout)
+        self._surface: CostSurface | None = None
         self._lock = threading.Lock()  # guards the lazily made own decoders
         self._policy_lock = threading.Lock()  # held while the shared policy is made
         self._policy: AdaptiveDraftLength | None = None
@@ -106,7 +119,8 @@ class Model:
 
     def _new_slot(self) -> DecodeSlot:
         draft = OrtDecoder.on(self.draft_sessions) if self.draft_sessions is not None else None
-        return DecodeSlot(OrtDecoder.on(self.sessions), draft)
+        target = self.runner.row() if self.runner is not None else OrtDecoder.on(self.sessions)
+        return DecodeSlot(target, draft)
 
     # -- text <-> tokens ------------------------------------------------------------------------
 
@@ -200,6 +214,11 @@ class Model:
                     # timings taken at different moments are not comparable on a drifting
                     # machine: the draft's step is measured against the target's, interleaved
                     draft_cost = step_cost_ratio(slot.draft, slot.decoder) * curve.cost(1)
+            if self.runner is not None:
+                self._surface = self.runner.exclusive(
+                    lambda backend, floors: calibrated_cost_surface(
+                        backend, key, max_len=self.runner.max_verify_len, floors=floors,
+                        refresh=refresh))
             self._policy = AdaptiveDraftLength(curve, draft_step_seconds=draft_cost)
             return self._policy
 
@@ -210,6 +229,9 @@ class Model:
         shared = self.draft_length_policy()
         if options.seed is not None and options.temperature > 0:
             return shared.for_seeded_request()  # the seed fixes the output
+        if self.runner is not None and self._surface is not None:
+            runner = self.runner
+            return shared.for_batch_row(BatchCosts(self._surface, lambda: runner.active_rows))
         return shared.for_request()
 
     def _check_request(self, drafter: Any, draft_length: Any) -> None:
@@ -340,6 +362,7 @@ def load_model(
     max_concurrent: int = DEFAULT_MAX_CONCURRENT,
     when_busy: WhenBusy = "wait",
     busy_timeout: float | None = None,
+    batch: bool | None = None,
 ) -> Model:
     """Read and check `path/manifest.json`, open its entry points, load its tokenizer.
 
@@ -349,6 +372,9 @@ def load_model(
     first need: `Model.slot_bytes` each, about 114 MiB for the default model in fp32 at
     capacity 2048). A request beyond that waits for a slot (`when_busy="wait"`, for at most
     `busy_timeout` seconds if given) or fails at once with ModelBusyError (`"error"`).
+    `batch`: decode concurrent requests in shared calls (`ortspec.runtime.batching`); None
+    (default) does when the graph takes several rows (manifest `max_batch` > 1: an export with
+    `--attention window`) and `max_concurrent` > 1. The rows are then at most `max_batch`.
     """
     from tokenizers import Tokenizer
 
@@ -379,4 +405,4 @@ def load_model(
                                      threads=threads, allow_spinning=False)
     return Model(sessions=sessions, tokenizer=tokenizer, manifest=manifest, path=root,
                  draft_sessions=draft_sessions, max_concurrent=max_concurrent, when_busy=when_busy,
-                 busy_timeout=busy_timeout)
+                 busy_timeout=busy_timeout, batch=batch)

@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Callable, Iterator, Literal
 
+from .batching import BatchRow
 from .errors import InvalidOptionError, ModelBusyError
 from .ort_decoder import OrtDecoder
 from .validation import check_int
@@ -30,8 +31,13 @@ WHEN_BUSY = ("wait", "error")
 
 @dataclasses.dataclass
 class DecodeSlot:
-    decoder: OrtDecoder
+    decoder: OrtDecoder | BatchRow  # a row of the model's batch when it batches
     draft: OrtDecoder | None = None
+
+    def end_request(self) -> None:
+        """The request on this slot is over: a batch row gives its row of the KV pool back."""
+        if isinstance(self.decoder, BatchRow):
+            self.decoder.release()
 
 
 class SlotPool:
@@ -101,6 +107,7 @@ class SlotPool:
         return slot
 
     def _release(self, slot: DecodeSlot) -> None:
+        slot.end_request()
         with self._cond:
             self._held_by.pop(id(slot), None)
             self._free.append(slot)

@@ -37,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-concurrent", type=int, default=4,
-                   help="requests decoding at once (each holds a KV slot)")
+                   help="requests decoding at once (each holds a KV slot); a model exported "
+                        "with --attention window runs them in shared calls, up to its "
+                        "max_batch (16)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help="requests waiting for a slot; beyond that the answer is 503")
     p.add_argument("--drafter", default="prompt-lookup", choices=DRAFTER_NAMES)
@@ -86,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.drafter != "none":
         model.draft_length_policy()  # read or measure the cost curve now, not in a request
     name = args.served_model_name or os.path.basename(os.path.abspath(path))
+    # a batching model serves at most its graph's max_batch requests at once; the rest queue
     app = create_app(model, model_name=name, drafter=args.drafter,
-                     max_concurrent=args.max_concurrent, max_queue=args.max_queue)
+                     max_concurrent=model.slots.max_slots, max_queue=args.max_queue)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.log_level, lifespan="on"))

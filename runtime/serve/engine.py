@@ -127,8 +127,10 @@ class Engine:
     def __init__(self, model: Any, *, drafter: str, max_concurrent: int, max_queue: int) -> None:
         self.model, self.drafter = model, drafter
         self.admission = Admission(max_running=max_concurrent, max_waiting=max_queue)
+        runner = model.runner  # a Model; its BatchRunner when it batches
         self.metrics = ServerMetrics(running=lambda: self.admission.running,
-                                     waiting=lambda: self.admission.waiting)
+                                     waiting=lambda: self.admission.waiting,
+                                     batch=runner.stats if runner is not None else None)
         self.executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=max_concurrent, thread_name_prefix="ortspec-decode")
 

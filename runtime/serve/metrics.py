@@ -11,6 +11,11 @@ speculative-decoding counters: `vllm:spec_decode_num_drafts_total` (verify calls
 non-empty draft), `..._num_draft_tokens_total` (drafted), `..._num_accepted_tokens_total`
 (accepted) and `..._num_accepted_tokens_per_pos_total{position}` (accepted at draft position
 0, 1, ...).
+
+A model that batches (`ortspec.runtime.batching`) adds `ortspec:batch_rows` (a histogram of
+the requests each batched call carried), `ortspec:batch_tokens_per_row` (of the tokens a row
+each call ran, S, padding included) and `ortspec:batch_padded_rows_total` (rows carried along
+without a job), read from the runner when scraped.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ from __future__ import annotations
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the app
 
+from ..batching import BatchStats
 from ..counters import DecodeCounters
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -27,8 +34,11 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320
 
 
 class ServerMetrics:
-    def __init__(self, *, running: Callable[[], int], waiting: Callable[[], int]) -> None:
+    def __init__(self, *, running: Callable[[], int], waiting: Callable[[], int],
+                 batch: BatchStats | None = None) -> None:
         self.registry = r = CollectorRegistry()
+        if batch is not None:
+            r.register(_BatchCollector(batch))
         Gauge("vllm:num_requests_running", "Requests decoding now", registry=r).set_function(running)
         Gauge("vllm:num_requests_waiting", "Requests queued for a decode slot",
               registry=r).set_function(waiting)
@@ -68,3 +78,36 @@ class ServerMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _BatchCollector:
+    """The batch runner's call statistics as Prometheus histograms, read when scraped."""
+
+    ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    TOKEN_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256)
+
+    def __init__(self, stats: BatchStats) -> None:
+        self.stats = stats
+
+    def collect(self):
+        yield _histogram("ortspec:batch_rows", "Requests carried by each batched model call",
+                         dict(self.stats.rows), self.ROW_BUCKETS)
+        yield _histogram("ortspec:batch_tokens_per_row",
+                         "Tokens a row in each batched call (S, padding included)",
+                         dict(self.stats.widths), self.TOKEN_BUCKETS)
+        padded = CounterMetricFamily("ortspec:batch_padded_rows",
+                                     "Rows carried along in a batched call without a job of theirs")
+        padded.add_metric([], self.stats.padded_rows)
+        yield padded
+
+
+def _histogram(name: str, doc: str, counts: dict[int, int], bounds: tuple[int, ...]
+               ) -> HistogramMetricFamily:
+    buckets, total = [], 0
+    for b in bounds:
+        buckets.append((str(float(b)), sum(n for v, n in counts.items() if v <= b)))
+    total = sum(counts.values())
+    buckets.append(("+Inf", total))
+    h = HistogramMetricFamily(name, doc)
+    h.add_metric([], buckets, sum_value=float(sum(v * n for v, n in counts.items())))
+    return h

@@ -1,0 +1,387 @@
+"""Continuous batching beneath the `Decoder` protocol: many requests, one model call a step.
+
+Each request decodes in its own thread exactly as it would alone (`speculative_decode_steps`
+with its own drafter, policy, sampler and seed) on a `BatchRow`, a `Decoder` that owns no KV
+buffers. A row's calls are jobs for one `BatchRunner` thread, which combines the jobs of all
+rows into one call of the backend (`batch_backend.py`): B rows, each appending its own block
+(a plain step's token, or a pending token and k drafts) after its own valid length, every
+block padded to the call's S with copies of its last token. Prefill is chunked (`prefill_chunk`
+tokens a call, on the new request's row alone) and alternates with the batched calls, so the
+running rows keep decoding while a prompt is read.
+
+- **Rows join and leave between calls.** A row takes the lowest free row of the KV pool at its
+  first job and gives it back when its request ends (`release`); the runner then moves the
+  highest occupied row into the hole, so the occupied rows are always 0..n-1 and a call covers
+  them without gaps.
+- **The barrier.** The runner calls as soon as every decoding row has a job waiting, or
+  `gather_seconds` after the first one arrived. A row without a job (still drafting, or
+  prefilling) rides along with one padding token a position, written past its valid length
+  where nothing reads it; its cache is unchanged.
+- **Lossless per row.** A row's logits are bitwise those of its solo decode (the backend's
+  calls are row-invariant), so each request's output is what it would be alone, at every
+  temperature; the per-row sampling is the request's own.
+- **Failures stay in their row.** Non-finite logits fail only the row they appear in; an
+  error of the whole call fails the jobs in it, and the runner goes on.
+
+The rows' capacity is the pool's less `max_verify_len`: a row carried along appends at most
+that many padding tokens.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .batch_backend import BatchBackend
+from .errors import CapacityError, InvalidOptionError, InvalidPromptError, ModelBusyError, \
+    NonFiniteLogitsError, OrtspecError
+from .validation import check_int, is_int
+
+GATHER_SECONDS = 0.003  # how long a call waits for the decoding rows that have no job yet
+PREFILL_CHUNK = 64  # prompt tokens a call while other rows decode
+
+
+@dataclasses.dataclass(eq=False)
+class _Job:
+    row: "BatchRow"
+    tokens: np.ndarray  # [n] int64
+    prefill: bool  # chunked on the row alone; else one row of a batched call
+    keep_all: bool = True  # return every position's logits (else the last one's)
+    offset: int = 0  # prefill: tokens fed so far
+    start: int = 0  # prefill: the row's length before it (restored on failure)
+    parts: list = dataclasses.field(default_factory=list)
+    result: np.ndarray | None = None
+    error: BaseException | None = None
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+@dataclasses.dataclass
+class BatchStats:
+    """What the runner did: calls by rows and by S (for /metrics and benchmarks)."""
+
+    calls: int = 0
+    prefill_calls: int = 0
+    padded_rows: int = 0  # rows carried along without a job
+    rows: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    widths: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+class BatchRunner:
+    """Runs every row's calls on one thread, as batched calls of `backend`."""
+
+    def __init__(self, backend: BatchBackend, *, max_verify_len: int,
+                 gather_seconds: float = GATHER_SECONDS, prefill_chunk: int = PREFILL_CHUNK) -> None:
+        check_int("max_verify_len", max_verify_len, minimum=1)
+        self.backend = backend
+        self.max_verify_len = min(int(max_verify_len), backend.max_call)
+        self.gather_seconds = float(gather_seconds)
+        self.prefill_chunk = max(backend.min_rows, min(int(prefill_chunk), backend.max_call))
+        self.stats = BatchStats()
+        self._cond = threading.Condition()
+        self._slots: list[BatchRow | None] = [None] * backend.max_rows  # pool row -> its row
+        self._jobs: dict[BatchRow, _Job] = {}  # decode jobs waiting for the next call
+        self._prefills: collections.deque[_Job] = collections.deque()
+        self._releases: list[BatchRow] = []
+        self._tasks: collections.deque[tuple[Callable[[BatchBackend, np.ndarray], Any], _Job]] = \
+            collections.deque()
+        self._decoding: set[BatchRow] = set()  # rows expected at the next call
+        self._first_wait: float | None = None  # when the oldest waiting decode job arrived
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def max_rows(self) -> int:
+        return self.backend.max_rows
+
+    @property
+    def active_rows(self) -> int:
+        """Rows decoding now (at least 1): what a row's draft-length policy prices a call at."""
+        with self._cond:
+            return max(1, len(self._decoding))
+
+    def row(self) -> "BatchRow":
+        return BatchRow(self)
+
+    def exclusive(self, fn: "Callable[[BatchBackend, np.ndarray], Any]") -> Any:
+        """fn(backend, floors) on the runner's thread between calls, no row's call running
+        meanwhile (measuring the cost surface); its result, or its exception. floors
+        [max_rows] are the rows' valid lengths: fn may write past them, never below."""
+        job = _Job(None, np.zeros(0, np.int64), prefill=False)  # type: ignore[arg-type]
+        with self._cond:
+            self._start()
+            self._tasks.append((fn, job))
+            self._cond.notify_all()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def _start(self) -> None:
+        if self._closed:
+            raise OrtspecError("the batch runner has been closed")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="ortspec-batch", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    # -- called by rows (their request threads) --------------------------------------------------
+
+    def _submit(self, job: _Job) -> np.ndarray:
+        with self._cond:
+            self._start()
+            if job.prefill:
+                self._decoding.discard(job.row)
+                self._prefills.append(job)
+            else:
+                self._decoding.add(job.row)
+                self._jobs[job.row] = job
+                if self._first_wait is None:
+                    self._first_wait = time.monotonic()
+            self._cond.notify_all()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        assert job.result is not None
+        return job.result
+
+    def _release(self, row: "BatchRow") -> None:
+        with self._cond:
+            self._decoding.discard(row)
+            if row.index is not None:
+                self._releases.append(row)
+                self._cond.notify_all()
+
+    # -- the runner thread -----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                task = self._tasks.popleft() if self._tasks else None
+            if task is not None:
+                fn, job = task
+                floors = np.array([0 if r is None else r.length for r in self._slots], np.int64)
+                try:
+                    job.result = fn(self.backend, floors)
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    job.error = e
+                job.done.set()
+                continue
+            with self._cond:
+                prefill, jobs = self._next_work()
+                if prefill is None and jobs is None:
+                    return
+                if prefill is None and not jobs:
+                    continue  # a task came in
+                for job in ([prefill] if prefill else []) + list(jobs or ()):
+                    self._place(job)
+            if prefill is not None:
+                self._prefill_chunk(prefill)
+            if jobs:
+                self._decode_call(jobs)
+            with self._cond:
+                if prefill is not None and prefill.done.is_set():
+                    self._prefills.popleft()
+
+    def _next_work(self) -> tuple[_Job | None, list[_Job] | None]:
+        """Under the lock: wait for a prefill chunk or a full (or timed-out) batch."""
+        while True:
+            self._apply_releases()
+            if self._closed:
+                return None, None
+            if self._tasks:
+                return None, []
+            prefill = self._prefills[0] if self._prefills else None
+            if self._jobs:
+                waiting = [r for r in self._decoding if r not in self._jobs]
+                late = self._first_wait is not None and \
+                    time.monotonic() - self._first_wait >= self.gather_seconds
+                if prefill is not None or not waiting or late:
+                    jobs = list(self._jobs.values())
+                    self._jobs.clear()
+                    self._first_wait = None
+                    return prefill, jobs
+                self._cond.wait(max(0.0, self.gather_seconds -
+                                    (time.monotonic() - self._first_wait)))
+                continue
+            if prefill is not None:
+                return prefill, None
+            self._cond.wait()
+
+    def _apply_releases(self) -> None:
+        for row in self._releases:
+            i = row.index
+            if i is None or self._slots[i] is not row:
+                continue
+            row.index = None
+            last = max(j for j, r in enumerate(self._slots) if r is not None)
+            self._slots[i] = None
+            if last != i:  # keep the occupied rows contiguous: the last one fills the hole
+                moved = self._slots[last]
+                assert moved is not None
+                self.backend.move(last, i, moved.length)
+                self._slots[i], self._slots[last] = moved, None
+                moved.index = i
+        self._releases.clear()
+
+    def _place(self, job: _Job) -> None:
+        row = job.row
+        if row.index is None:
+            try:
+                row.index = self._slots.index(None)
+            except ValueError:
+                job.error = ModelBusyError(f"all {self.max_rows} rows of the batch are in use")
+                job.done.set()
+                return
+            self._slots[row.index] = row
+
+    def _prefill_chunk(self, job: _Job) -> None:
+        if job.done.is_set():  # refused by _place
+            return
+        row = job.row
+        assert row.index is not None
+        if job.offset == 0:
+            job.start = row.length
+        ids = job.tokens[job.offset: job.offset + self.prefill_chunk]
+        n = ids.size
+        s = max(n, self.backend.min_rows)
+        padded = np.empty((1, s), np.int64)
+        padded[0, :n] = ids
+        padded[0, n:] = ids[-1]
+        try:
+            logits = self.backend.run(row.index, row.index + 1, padded,
+                                      np.array([row.length], np.int64))[0, :n]
+            if not np.isfinite(logits).all():
+                raise NonFiniteLogitsError(
+                    f"the graph returned NaN or infinite logits at positions "
+                    f"{row.length}..{row.length + n - 1}")
+        except BaseException as e:  # noqa: BLE001 - handed to the row's thread
+            row.length = job.start
+            job.error = e
+            job.done.set()
+            return
+        self.stats.prefill_calls += 1
+        row.length += n
+        job.offset += n
+        job.parts.append(logits.copy() if job.keep_all else logits[-1:].copy())
+        if job.offset >= job.tokens.size:
+            job.result = np.concatenate(job.parts) if job.keep_all else job.parts[-1][0]
+            job.done.set()
+
+    def _decode_call(self, jobs: list[_Job]) -> None:
+        jobs = [j for j in jobs if not j.done.is_set()]
+        if not jobs:
+            return
+        by_index = {j.row.index: j for j in jobs}
+        hi = max(by_index) + 1  # type: ignore[type-var]
+        s = max(self.backend.min_rows, max(j.tokens.size for j in jobs))
+        ids = np.zeros((hi, s), np.int64)
+        lengths = np.zeros(hi, np.int64)
+        for i in range(hi):
+            row = self._slots[i]
+            lengths[i] = row.length if row is not None else 0
+            job = by_index.get(i)
+            if job is not None:
+                n = job.tokens.size
+                ids[i, :n] = job.tokens
+                ids[i, n:] = job.tokens[-1]
+            elif row is not None:
+                ids[i] = 0  # carried along: written past its valid length, never read
+        self.stats.calls += 1
+        self.stats.rows[len(jobs)] += 1
+        self.stats.widths[s] += 1
+        self.stats.padded_rows += hi - len(jobs)
+        try:
+            t0 = time.perf_counter()
+            logits = self.backend.run(0, hi, ids, lengths)  # [hi, S, vocab]
+            seconds = time.perf_counter() - t0
+        except BaseException as e:  # noqa: BLE001 - every job of the call gets the error
+            for job in jobs:
+                job.error = e
+                job.done.set()
+            return
+        for i, job in by_index.items():
+            n = job.tokens.size
+            rows = logits[i, :n]
+            row = job.row
+            row.ort_seconds += seconds
+            if not np.isfinite(rows).all():
+                job.error = NonFiniteLogitsError(
+                    f"the graph returned NaN or infinite logits at positions "
+                    f"{row.length}..{row.length + n - 1}")
+            else:
+                job.result = rows.copy()
+                row.length += n
+            job.done.set()
+
+
+class BatchRow:
+    """A `Decoder` whose calls the runner batches with the other rows' (one request at a time,
+    like any decoder). `release` gives its pool row back when the request ends."""
+
+    def __init__(self, runner: BatchRunner) -> None:
+        self.runner = runner
+        backend = runner.backend
+        self.vocab_size: int = backend.vocab_size
+        self.max_verify_len: int = runner.max_verify_len
+        # a row carried along in someone else's call appends up to max_verify_len tokens
+        self.capacity: int = backend.capacity - runner.max_verify_len
+        self.ort_seconds = 0.0  # time of the calls this row took part in
+        self.length = 0  # set by this row's thread (truncate, reset) and by the runner
+        self.index: int | None = None  # its row of the pool (the runner's to change)
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def truncate(self, length: int) -> None:
+        if not is_int(length):
+            raise InvalidOptionError(f"truncate length must be an integer, got {length!r}")
+        if not 0 <= length <= self.length:
+            raise InvalidOptionError(f"cannot truncate to {length}: the cache holds "
+                                     f"{self.length} tokens (allowed 0..{self.length})")
+        self.length = int(length)
+
+    def forward_token(self, token: int) -> np.ndarray:  # [vocab]
+        return self.runner._submit(_Job(self, self._check([token]), prefill=False))[0]
+
+    def forward_batch(self, tokens: Sequence[int]) -> np.ndarray:  # [n, vocab]
+        ids = self._check(tokens)
+        return self.runner._submit(_Job(self, ids, prefill=ids.size > self.max_verify_len))
+
+    def prefill(self, tokens: Sequence[int]) -> np.ndarray:  # [vocab]
+        return self.runner._submit(_Job(self, self._check(tokens), prefill=True, keep_all=False))
+
+    def release(self) -> None:
+        """The request is over: the pool row goes back (the cache is dropped)."""
+        self.length = 0
+        self.runner._release(self)
+
+    def _check(self, tokens: Sequence[int]) -> np.ndarray:
+        ids = np.asarray(tokens)
+        if ids.ndim != 1 or ids.size == 0:
+            raise InvalidPromptError(f"expected a non-empty 1-D sequence of token ids, got shape "
+                                     f"{ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise InvalidPromptError(f"token ids must be integers, got dtype {ids.dtype}")
+        bad = (ids < 0) | (ids >= self.vocab_size)
+        if bad.any():
+            raise InvalidPromptError(f"token id {int(ids[bad][0])} is outside the vocabulary "
+                                     f"0..{self.vocab_size - 1}")
+        if self.length + ids.size > self.capacity:
+            raise CapacityError(f"{ids.size} more tokens would make {self.length + ids.size}, "
+                                f"over the row's KV capacity of {self.capacity}")
+        return ids.astype(np.int64, copy=False)
+
+    def __repr__(self) -> str:
+        return f"BatchRow(index={self.index}, length={self.length}, capacity={self.capacity})"
