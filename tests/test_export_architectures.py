@@ -249,6 +249,41 @@ def test_family_standard_ops_flavour_matches_transformers(name, sources, exports
     _check_greedy_identity(out)
 
 
+def _check_batch_rows(out):
+    """Rows of different lengths in one batched call: each bitwise its solo call."""
+    from ortspec.runtime.batch_backend import OrtBatchBackend
+    from ortspec.runtime.sessions import OrtSessions
+
+    sessions = OrtSessions(out, providers=["CPUExecutionProvider"])
+    backend = OrtBatchBackend(sessions, max_rows=3)
+    solo = OrtDecoder.on(sessions)
+    ids = _prompt()
+    prompts, block = [ids[:5], ids[:PROMPT_LEN - VERIFY], ids[3:20]], ids[-VERIFY:]
+    expected = []
+    for p in prompts:
+        solo.reset()
+        solo.prefill(p)
+        expected.append(solo.forward_batch(block))
+    for i, p in enumerate(prompts):
+        backend.run(i, i + 1, np.array([p]), np.array([0]))
+    got = backend.run(0, 3, np.array([block] * 3), np.array([len(p) for p in prompts]))
+    for i in range(3):
+        np.testing.assert_array_equal(got[i], expected[i])
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_window_flavour_matches_transformers_and_batches_exactly(name, sources, exports):
+    """--attention window (the batched graph): PyTorch's logits, greedy identity, and rows of
+    one batched call bitwise their solo calls (sliding windows, q/k norms and soft-caps
+    included)."""
+    out = exports(name, "window")
+    m = mf.read_manifest(out)
+    assert m.max_batch > 1 and m.min_call_rows == 2
+    _check_logits(sources(name), out)
+    _check_greedy_identity(out)
+    _check_batch_rows(out)
+
+
 def test_spec_records_what_each_family_needs(sources):
     from ortspec.export.checkpoint import load_checkpoint
     from ortspec.export.sources import identify_source
