@@ -60,10 +60,11 @@ def test_graph_inputs_and_outputs_follow_the_manifest(which, request):
     m = mf.read_manifest(d)
     a = m.architecture
     model, ins, outs = _io(d / m.entry_points["step"].graph)
-    kv = [1, a.num_kv_heads, CAP, a.head_dim]
-    expected_in = {mf.INPUT_IDS: (TensorProto.INT64, [1, "sequence_length"]),
-                   mf.ATTENTION_MASK: (TensorProto.INT64, [1, "total_sequence_length"])}
-    expected_out = {mf.LOGITS: (TensorProto.FLOAT, [1, "sequence_length", a.vocab_size])}
+    # a dynamic batch axis (the GQA graph runs B = 1; the window flavour takes B rows)
+    kv = ["batch", a.num_kv_heads, CAP, a.head_dim]
+    expected_in = {mf.INPUT_IDS: (TensorProto.INT64, ["batch", "sequence_length"]),
+                   mf.ATTENTION_MASK: (TensorProto.INT64, ["batch", "total_sequence_length"])}
+    expected_out = {mf.LOGITS: (TensorProto.FLOAT, ["batch", "sequence_length", a.vocab_size])}
     for i in range(a.num_layers):
         expected_in[mf.past_key_name(i)] = expected_in[mf.past_value_name(i)] = \
             (TensorProto.FLOAT, kv)
