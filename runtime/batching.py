@@ -33,6 +33,7 @@ import collections
 import dataclasses
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,6 +46,7 @@ from .validation import check_int, is_int
 
 GATHER_SECONDS = 0.003  # how long a call waits for the decoding rows that have no job yet
 PREFILL_CHUNK = 64  # prompt tokens a call while other rows decode
+IDLE_SECONDS = 1.0  # an idle runner thread checks this often whether its model is still used
 
 
 @dataclasses.dataclass(eq=False)
@@ -70,6 +72,19 @@ class BatchStats:
     padded_rows: int = 0  # rows carried along without a job
     rows: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     widths: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def record(self, *, rows: int, width: int, padded: int) -> None:
+        with self._lock:
+            self.calls += 1
+            self.rows[rows] += 1
+            self.widths[width] += 1
+            self.padded_rows += padded
+
+    def snapshot(self) -> tuple[dict[int, int], dict[int, int], int]:
+        """(calls by rows, calls by S, padded rows), consistent with each other."""
+        with self._lock:
+            return dict(self.rows), dict(self.widths), self.padded_rows
 
 
 class BatchRunner:
@@ -126,7 +141,10 @@ class BatchRunner:
         if self._closed:
             raise OrtspecError("the batch runner has been closed")
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="ortspec-batch", daemon=True)
+            # the thread holds the runner weakly between iterations, so a model nobody
+            # references any more is collected and its thread ends
+            self._thread = threading.Thread(target=_serve, args=(weakref.ref(self),),
+                                            name="ortspec-batch", daemon=True)
             self._thread.start()
 
     def close(self) -> None:
@@ -165,37 +183,39 @@ class BatchRunner:
 
     # -- the runner thread -----------------------------------------------------------------------
 
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                task = self._tasks.popleft() if self._tasks else None
-            if task is not None:
-                fn, job = task
-                floors = np.array([0 if r is None else r.length for r in self._slots], np.int64)
-                try:
-                    job.result = fn(self.backend, floors)
-                except BaseException as e:  # noqa: BLE001 - handed to the caller
-                    job.error = e
-                job.done.set()
-                continue
-            with self._cond:
-                prefill, jobs = self._next_work()
-                if prefill is None and jobs is None:
-                    return
-                if prefill is None and not jobs:
-                    continue  # a task came in
-                for job in ([prefill] if prefill else []) + list(jobs or ()):
-                    self._place(job)
-            if prefill is not None:
-                self._prefill_chunk(prefill)
-            if jobs:
-                self._decode_call(jobs)
-            with self._cond:
-                if prefill is not None and prefill.done.is_set():
-                    self._prefills.popleft()
+    def _step(self) -> bool:
+        """One iteration of the runner thread: a task, or a prefill chunk and/or a batched
+        call, or nothing after IDLE_SECONDS; False once the runner is closed."""
+        with self._cond:
+            task = self._tasks.popleft() if self._tasks else None
+        if task is not None:
+            fn, job = task
+            floors = np.array([0 if r is None else r.length for r in self._slots], np.int64)
+            try:
+                job.result = fn(self.backend, floors)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                job.error = e
+            job.done.set()
+            return True
+        with self._cond:
+            prefill, jobs = self._next_work()
+            if prefill is None and jobs is None:
+                return False
+            for job in ([prefill] if prefill else []) + list(jobs or ()):
+                self._place(job)
+        if prefill is not None:
+            self._prefill_chunk(prefill)
+        if jobs:
+            self._decode_call(jobs)
+        with self._cond:
+            if prefill is not None and prefill.done.is_set():
+                self._prefills.popleft()
+        return True
 
     def _next_work(self) -> tuple[_Job | None, list[_Job] | None]:
-        """Under the lock: wait for a prefill chunk or a full (or timed-out) batch."""
+        """Under the lock: wait for a prefill chunk or a full (or timed-out) batch; (None,
+        None) when closed, (None, []) for a task or after IDLE_SECONDS with nothing to do."""
+        idle_since = time.monotonic()
         while True:
             self._apply_releases()
             if self._closed:
@@ -217,7 +237,9 @@ class BatchRunner:
                 continue
             if prefill is not None:
                 return prefill, None
-            self._cond.wait()
+            if time.monotonic() - idle_since >= IDLE_SECONDS:
+                return None, []
+            self._cond.wait(IDLE_SECONDS)
 
     def _apply_releases(self) -> None:
         for row in self._releases:
@@ -298,10 +320,7 @@ class BatchRunner:
                 ids[i, n:] = job.tokens[-1]
             elif row is not None:
                 ids[i] = 0  # carried along: written past its valid length, never read
-        self.stats.calls += 1
-        self.stats.rows[len(jobs)] += 1
-        self.stats.widths[s] += 1
-        self.stats.padded_rows += hi - len(jobs)
+        self.stats.record(rows=len(jobs), width=s, padded=hi - len(jobs))
         try:
             t0 = time.perf_counter()
             logits = self.backend.run(0, hi, ids, lengths)  # [hi, S, vocab]
@@ -324,6 +343,15 @@ class BatchRunner:
                 job.result = rows.copy()
                 row.length += n
             job.done.set()
+
+
+def _serve(ref: "weakref.ref[BatchRunner]") -> None:
+    """The runner thread: iterations of `BatchRunner._step`, the runner held only during one."""
+    while True:
+        runner = ref()
+        if runner is None or not runner._step():
+            return
+        del runner
 
 
 class BatchRow:

@@ -214,6 +214,22 @@ def test_sampled_batched_rows_match_the_exact_marginals(case):
     runner.close()
 
 
+def test_the_runner_thread_ends_when_nothing_references_the_runner():
+    import gc
+    import time
+
+    runner = BatchRunner(ReferenceBatchBackend(GREEDY, max_rows=2), max_verify_len=4)
+    row = runner.row()
+    plain_decode(row, [1, 2, 3], SpeculativeOptions(3))
+    row.release()
+    thread = runner._thread
+    assert thread is not None and thread.is_alive()
+    del runner, row
+    gc.collect()
+    thread.join(5)  # it checks once a second
+    assert not thread.is_alive()
+
+
 # -- the cost surface and the per-row policy ------------------------------------------------------
 
 

@@ -90,20 +90,21 @@ class _BatchCollector:
         self.stats = stats
 
     def collect(self):
+        rows, widths, padded_rows = self.stats.snapshot()
         yield _histogram("ortspec:batch_rows", "Requests carried by each batched model call",
-                         dict(self.stats.rows), self.ROW_BUCKETS)
+                         rows, self.ROW_BUCKETS)
         yield _histogram("ortspec:batch_tokens_per_row",
                          "Tokens a row in each batched call (S, padding included)",
-                         dict(self.stats.widths), self.TOKEN_BUCKETS)
+                         widths, self.TOKEN_BUCKETS)
         padded = CounterMetricFamily("ortspec:batch_padded_rows",
                                      "Rows carried along in a batched call without a job of theirs")
-        padded.add_metric([], self.stats.padded_rows)
+        padded.add_metric([], padded_rows)
         yield padded
 
 
 def _histogram(name: str, doc: str, counts: dict[int, int], bounds: tuple[int, ...]
                ) -> HistogramMetricFamily:
-    buckets, total = [], 0
+    buckets = []
     for b in bounds:
         buckets.append((str(float(b)), sum(n for v, n in counts.items() if v <= b)))
     total = sum(counts.values())
