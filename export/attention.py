@@ -135,9 +135,12 @@ def _window_mask(b: GraphBuilder, window: int, ctx: dict[str, str]) -> str:
     return ctx[name]
 
 
-def _standard_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) -> str:
+def _rotate_and_store(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]
+                      ) -> tuple[str, str, str]:
+    """Layer i's queries (q/k norms and rotary applied) [B, S, heads * hd], and the cache
+    tensors after the new keys and values went in at each row's past..past+S-1 (present is
+    the same buffer as past): (q, present key, present value)."""
     g, spec = b.g, b.spec
-    q_dim = spec.num_heads * spec.head_dim
     q, k, v = _split_qkv(b, qkv)
     if spec.qk_norm:
         q = b.head_norm(q, spec.num_heads, f"layers.{i}.q_norm")
@@ -151,12 +154,18 @@ def _standard_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) 
                   num_heads=spec.num_heads, **rope)
         k = g.op1("RotaryEmbedding", [k, cos, sin, ctx["position_ids"]],
                   num_heads=spec.num_kv_heads, **rope)
-    # the new rows go into the cache at past..past+S-1; present is the same buffer as past
     key, value = mf.present_key_name(i), mf.present_value_name(i)
     g.op("TensorScatter", [mf.past_key_name(i), _heads_first(b, k, spec.num_kv_heads),
                            ctx["write_index"]], outputs=[key], axis=2)
     g.op("TensorScatter", [mf.past_value_name(i), _heads_first(b, v, spec.num_kv_heads),
                            ctx["write_index"]], outputs=[value], axis=2)
+    return q, key, value
+
+
+def _standard_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) -> str:
+    g, spec = b.g, b.spec
+    q_dim = spec.num_heads * spec.head_dim
+    q, key, value = _rotate_and_store(b, i, qkv, ctx)
     window = spec.window(i)
     mask = _window_mask(b, window, ctx) if window else ctx["mask"]
     y = g.op1("Attention", [_heads_first(b, q, spec.num_heads), key, value, mask, "", "",
@@ -191,24 +200,7 @@ def _window_preamble(b: GraphBuilder) -> dict[str, str]:
 def _window_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) -> str:
     g, spec = b.g, b.spec
     q_dim = spec.num_heads * spec.head_dim
-    q, k, v = _split_qkv(b, qkv)
-    if spec.qk_norm:
-        q = b.head_norm(q, spec.num_heads, f"layers.{i}.q_norm")
-        k = b.head_norm(k, spec.num_kv_heads, f"layers.{i}.k_norm")
-    if spec.uses_rope(i):
-        rope: dict[str, Any] = {"interleaved": 0}
-        if spec.rotary_dims != spec.head_dim:
-            rope["rotary_embedding_dim"] = spec.rotary_dims
-        cos, sin = spec.rope_tables(i)
-        q = g.op1("RotaryEmbedding", [q, cos, sin, ctx["position_ids"]],
-                  num_heads=spec.num_heads, **rope)
-        k = g.op1("RotaryEmbedding", [k, cos, sin, ctx["position_ids"]],
-                  num_heads=spec.num_kv_heads, **rope)
-    key, value = mf.present_key_name(i), mf.present_value_name(i)
-    g.op("TensorScatter", [mf.past_key_name(i), _heads_first(b, k, spec.num_kv_heads),
-                           ctx["write_index"]], outputs=[key], axis=2)
-    g.op("TensorScatter", [mf.past_value_name(i), _heads_first(b, v, spec.num_kv_heads),
-                           ctx["write_index"]], outputs=[value], axis=2)
+    q, key, value = _rotate_and_store(b, i, qkv, ctx)
     zero = g.const("axes_0_start", np.array([0], np.int64))
     axis2 = g.const("axes_2", np.array([2], np.int64))
     key_w = g.op1("Slice", [key, zero, ctx["width"], axis2])  # [B, kv_heads, W, hd]

@@ -40,9 +40,9 @@ from typing import Any
 import numpy as np
 
 from .batch_backend import BatchBackend
-from .errors import CapacityError, InvalidOptionError, InvalidPromptError, ModelBusyError, \
+from .errors import InvalidOptionError, ModelBusyError, \
     NonFiniteLogitsError, OrtspecError
-from .validation import check_int, is_int
+from .validation import check_int, check_token_block, is_int
 
 GATHER_SECONDS = 0.003  # how long a call waits for the decoding rows that have no job yet
 PREFILL_CHUNK = 64  # prompt tokens a call while other rows decode
@@ -396,20 +396,8 @@ class BatchRow:
         self.runner._release(self)
 
     def _check(self, tokens: Sequence[int]) -> np.ndarray:
-        ids = np.asarray(tokens)
-        if ids.ndim != 1 or ids.size == 0:
-            raise InvalidPromptError(f"expected a non-empty 1-D sequence of token ids, got shape "
-                                     f"{ids.shape}")
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise InvalidPromptError(f"token ids must be integers, got dtype {ids.dtype}")
-        bad = (ids < 0) | (ids >= self.vocab_size)
-        if bad.any():
-            raise InvalidPromptError(f"token id {int(ids[bad][0])} is outside the vocabulary "
-                                     f"0..{self.vocab_size - 1}")
-        if self.length + ids.size > self.capacity:
-            raise CapacityError(f"{ids.size} more tokens would make {self.length + ids.size}, "
-                                f"over the row's KV capacity of {self.capacity}")
-        return ids.astype(np.int64, copy=False)
+        return check_token_block(tokens, vocab_size=self.vocab_size, length=self.length,
+                                 capacity=self.capacity)
 
     def __repr__(self) -> str:
         return f"BatchRow(index={self.index}, length={self.length}, capacity={self.capacity})"

@@ -146,17 +146,22 @@ def calibrated_cost_curve(decoder: Decoder, key: CalibrationKey | str | os.PathL
         except (OSError, ValueError, KeyError, TypeError):
             pass
     curve = CostCurve.measure(decoder, max_len=max_len).padded_to(key.min_rows)
-    payload = json.dumps({"version": CALIBRATION_VERSION, "providers": list(key.providers),
-                          "model": key.model_dir, "seconds": list(curve.seconds),
-                          "relative": curve.relative()}, indent=1)
+    _store(path, {"version": CALIBRATION_VERSION, "providers": list(key.providers),
+                  "model": key.model_dir, "seconds": list(curve.seconds),
+                  "relative": curve.relative()})
+    return curve
+
+
+def _store(path: Path, data: dict) -> None:
+    """Write a measurement to the cache atomically; a read-only cache only costs a
+    re-measurement next time."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(payload, encoding="utf-8")
+        tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
         tmp.replace(path)
     except OSError:
-        pass  # a read-only cache only costs a re-measurement next time
-    return curve
+        pass
 
 
 SURFACE_ROWS = (1, 2, 4, 8, 16)  # batch sizes a cost surface is measured at (up to the pool's)
@@ -244,14 +249,7 @@ def calibrated_cost_surface(backend, key: CalibrationKey, *, max_len: int,
         except (OSError, ValueError, KeyError, TypeError):
             pass
     surface = CostSurface.measure(backend, max_len=max_len, floors=floors)
-    payload = json.dumps({"version": CALIBRATION_VERSION, "model": key.model_dir,
-                          "rows": list(surface.rows), "tokens": list(surface.tokens),
-                          "seconds": [list(line) for line in surface.seconds]}, indent=1)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(payload, encoding="utf-8")
-        tmp.replace(path)
-    except OSError:
-        pass
+    _store(path, {"version": CALIBRATION_VERSION, "model": key.model_dir,
+                  "rows": list(surface.rows), "tokens": list(surface.tokens),
+                  "seconds": [list(line) for line in surface.seconds]})
     return surface

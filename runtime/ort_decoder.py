@@ -36,10 +36,9 @@ import numpy as np
 import onnxruntime as ort
 
 from . import manifest as mf
-from .errors import CapacityError, ConcurrentUseError, InvalidOptionError, InvalidPromptError, \
-    ManifestError, NonFiniteLogitsError
+from .errors import ConcurrentUseError, InvalidOptionError, ManifestError, NonFiniteLogitsError
 from .sessions import KV_MODES, OrtSessions  # noqa: F401 - KV_MODES re-exported
-from .validation import is_int
+from .validation import check_token_block, is_int
 
 
 class OrtDecoder:
@@ -174,21 +173,8 @@ class OrtDecoder:
             raise
 
     def _check_tokens(self, tokens: Sequence[int]) -> np.ndarray:
-        ids = np.asarray(tokens)
-        if ids.ndim != 1 or ids.size == 0:
-            raise InvalidPromptError(f"expected a non-empty 1-D sequence of token ids, got shape "
-                                     f"{ids.shape}")
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise InvalidPromptError(f"token ids must be integers, got dtype {ids.dtype}")
-        bad = (ids < 0) | (ids >= self.vocab_size)
-        if bad.any():
-            raise InvalidPromptError(f"token id {int(ids[bad][0])} is outside the vocabulary "
-                                     f"0..{self.vocab_size - 1}")
-        if self._length + ids.size > self.capacity:
-            raise CapacityError(f"{ids.size} more tokens would make {self._length + ids.size}, "
-                                f"over the KV capacity of {self.capacity} (export with a larger "
-                                f"--capacity, or truncate/reset first)")
-        return ids.astype(np.int64, copy=False)
+        return check_token_block(tokens, vocab_size=self.vocab_size, length=self._length,
+                                 capacity=self.capacity)
 
     def _run(self, entry: str, ids: np.ndarray, *, copy: bool = True) -> np.ndarray:
         n = ids.size

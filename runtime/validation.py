@@ -1,4 +1,5 @@
-"""One helper for checking integer options: `check_int`.
+"""One helper for checking integer options, `check_int`, and one for a decoder call's tokens,
+`check_token_block`.
 
 Python's `bool` is an `int`, and NumPy integers are not, so the test a user-facing option needs
 ("a real integer, not True, in this range") is longer than it looks. Every tier calls this one
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import InvalidOptionError
+from .errors import CapacityError, InvalidOptionError, InvalidPromptError
 
 
 def is_int(value: object) -> bool:
@@ -47,3 +48,25 @@ def check_int(name: str, value: object, *, minimum: int | None = None, maximum: 
     if allow_none:
         allowed = f"None or {allowed}"
     raise error(f"{name} must be {allowed}{what}, got {value!r}")
+
+
+def check_token_block(tokens: object, *, vocab_size: int, length: int, capacity: int
+                      ) -> np.ndarray:
+    """The tokens a decoder call appends, as int64 [n]: a non-empty 1-D sequence of ids in
+    0..vocab_size-1 that fits after `length` cached tokens in `capacity`."""
+    ids = np.asarray(tokens)
+    if ids.ndim != 1 or ids.size == 0:
+        raise InvalidPromptError(f"expected a non-empty 1-D sequence of token ids, got shape "
+                                 f"{ids.shape}")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise InvalidPromptError(f"token ids must be integers, got dtype {ids.dtype}")
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        raise InvalidPromptError(f"token id {int(ids[bad][0])} is outside the vocabulary "
+                                 f"0..{vocab_size - 1}")
+    if length + ids.size > capacity:
+        raise CapacityError(f"{ids.size} more tokens would make {length + ids.size}, over the "
+                            f"KV capacity of {capacity} (export with a larger --capacity, or "
+                            f"truncate/reset first)")
+    return ids.astype(np.int64, copy=False)
+

@@ -216,7 +216,6 @@ def test_sampled_batched_rows_match_the_exact_marginals(case):
 
 def test_the_runner_thread_ends_when_nothing_references_the_runner():
     import gc
-    import time
 
     runner = BatchRunner(ReferenceBatchBackend(GREEDY, max_rows=2), max_verify_len=4)
     row = runner.row()
