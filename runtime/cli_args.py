@@ -20,10 +20,14 @@ class UserErrorParser(argparse.ArgumentParser):
         raise OrtspecError(f"{message} (see `{self.prog} -h`)")
 
 
-def model_arg(value: str | None) -> Path:
-    """--model's directory, or the default model's when it was not given (which must exist)."""
+def model_arg(value: str | None, *, prefer_batched: bool = False) -> Path:
+    """--model's directory, or the default model's when it was not given (which must exist);
+    `prefer_batched`: its batched export (`--attention window`) when that one exists."""
     if value:
         return Path(value)
+    batched = default_model_path(batched=True)
+    if prefer_batched and (batched / "manifest.json").is_file():
+        return batched
     path = default_model_path()
     if not (path / "manifest.json").is_file():
         raise OrtspecError(

@@ -15,6 +15,7 @@ from pathlib import Path
 MODELS_DIR_ENV = "ORTSPEC_MODELS_DIR"
 CACHE_DIR_ENV = "ORTSPEC_CACHE_DIR"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct-fp32"  # the default recipe's fp32 export
+BATCHED_MODEL_NAME = DEFAULT_MODEL_NAME + "-window"  # its batched graph (--attention window)
 
 
 def cache_root() -> Path:
@@ -30,5 +31,6 @@ def models_dir() -> Path:
     return Path(env) if env else cache_root() / "models"
 
 
-def default_model_path() -> Path:
-    return models_dir() / "exported" / DEFAULT_MODEL_NAME
+def default_model_path(*, batched: bool = False) -> Path:
+    """The default model's export; `batched`: the one exported with `--attention window`."""
+    return models_dir() / "exported" / (BATCHED_MODEL_NAME if batched else DEFAULT_MODEL_NAME)

@@ -381,3 +381,19 @@ def test_serve_batches_concurrent_openai_clients_with_their_serial_texts(window_
         assert calls > 0 and rows / calls > 1.0  # several requests shared calls
     finally:
         server.stop()
+
+
+def test_serve_without_a_model_prefers_the_default_models_batched_export(tmp_path, monkeypatch):
+    from ortspec.runtime.cli_args import model_arg
+    from ortspec.runtime.paths import default_model_path
+
+    monkeypatch.setenv("ORTSPEC_MODELS_DIR", str(tmp_path))
+    plain, batched = default_model_path(), default_model_path(batched=True)
+    plain.mkdir(parents=True)
+    (plain / "manifest.json").write_text("{}")
+    assert model_arg(None, prefer_batched=True) == plain  # no batched export: the plain one
+    batched.mkdir(parents=True)
+    (batched / "manifest.json").write_text("{}")
+    assert model_arg(None, prefer_batched=True) == batched
+    assert model_arg(None) == plain  # generate, check, bench: the plain export
+    assert model_arg(str(tmp_path / "x")) == tmp_path / "x"

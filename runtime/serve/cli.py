@@ -4,7 +4,9 @@
                   [--max-queue 64] [--drafter prompt-lookup|none|...] [--threads N]
                   [--ray --replicas N [--ray-address ADDR]]
 
-The model is loaded, and the cost model's curve read or measured, before the port opens, so
+Without --model: the default model's batched export (`ortspec export --attention window`) when
+it exists, else its plain export. The model is loaded, and the cost model's curve read or
+measured, before the port opens, so
 the first request is not slower than the rest. SIGTERM or Ctrl-C: stop accepting, let running
 requests finish, exit 0. With --ray the same app runs on Ray Serve (`ray_app.py`): --replicas
 copies, each loading the model, behind Ray Serve's HTTP proxy on --host/--port.
@@ -22,6 +24,7 @@ import uvicorn
 from ..cli_args import UserErrorParser, add_model_options, model_arg, providers_arg
 from ..drafters import DRAFTER_NAMES, NEEDS_DRAFT_MODEL
 from ..errors import InvalidOptionError, OrtspecError
+from ..paths import DEFAULT_MODEL_NAME, default_model_path
 from ..validation import check_int
 from .app import create_app
 
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     _check(args)
-    path = model_arg(args.model)
+    path = model_arg(args.model, prefer_batched=True)
     needs_draft = args.drafter in NEEDS_DRAFT_MODEL
     if args.ray:
         return _serve_on_ray(args, path, needs_draft)
@@ -88,10 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.drafter != "none":
         model.draft_length_policy()  # read or measure the cost curve now, not in a request
     name = args.served_model_name or os.path.basename(os.path.abspath(path))
+    if not args.served_model_name and args.model is None and path == default_model_path(batched=True):
+        name = DEFAULT_MODEL_NAME  # the same model as the plain export, under the same id
     # a batching model serves at most its graph's max_batch requests at once; the rest queue
     app = create_app(model, model_name=name, drafter=args.drafter,
                      max_concurrent=model.slots.max_slots, max_queue=args.max_queue)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
+    if model.runner is not None:
+        logging.info("%s: up to %d requests share each model call", path, model.slots.max_slots)
+    else:
+        logging.info("%s: one request per model call (`ortspec export --attention window` "
+                     "makes a graph that batches them)", path)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.log_level, lifespan="on"))
     # uvicorn shuts down gracefully on SIGTERM, then raises the signal again under the handler
