@@ -13,10 +13,13 @@ running rows keep decoding while a prompt is read.
   first job and gives it back when its request ends (`release`); the runner then moves the
   highest occupied row into the hole, so the occupied rows are always 0..n-1 and a call covers
   them without gaps.
-- **The barrier.** The runner calls as soon as every decoding row has a job waiting, or
-  `gather_seconds` after the first one arrived. A row without a job (still drafting, or
-  prefilling) rides along with one padding token a position, written past its valid length
-  where nothing reads it; its cache is unchanged.
+- **The barrier.** The runner calls as soon as every decoding row has a job waiting, or when
+  the first job has waited half a recent call's duration (at least `gather_seconds`): a row
+  that joins a call adds a fraction of its cost, one that misses it costs a call of its own,
+  and without the wait rows fall out of step for good (each call's rows come back while the
+  other rows' call runs). A row without a job (still drafting, or prefilling) rides along
+  with padding tokens written past its valid length, where nothing reads them; its cache is
+  unchanged.
 - **Lossless per row.** A row's logits are bitwise those of its solo decode (the backend's
   calls are row-invariant), so each request's output is what it would be alone, at every
   temperature; the per-row sampling is the request's own.
@@ -44,7 +47,9 @@ from .errors import InvalidOptionError, ModelBusyError, \
     NonFiniteLogitsError, OrtspecError
 from .validation import check_int, check_token_block, is_int
 
-GATHER_SECONDS = 0.003  # how long a call waits for the decoding rows that have no job yet
+GATHER_SECONDS = 0.003  # the least a call waits for the decoding rows that have no job yet
+WAIT_FRACTION = 0.5  # ... and the most, as a fraction of a recent batched call's duration
+CALL_ALPHA = 0.2  # weight of the newest call in that recent duration
 PREFILL_CHUNK = 64  # prompt tokens a call while other rows decode
 IDLE_SECONDS = 1.0  # an idle runner thread checks this often whether its model is still used
 
@@ -107,6 +112,8 @@ class BatchRunner:
             collections.deque()
         self._decoding: set[BatchRow] = set()  # rows expected at the next call
         self._first_wait: float | None = None  # when the oldest waiting decode job arrived
+        self._call_seconds = 0.0  # running average of the batched calls' durations
+        self._free_since = time.monotonic()  # when the runner's last call ended
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -208,6 +215,7 @@ class BatchRunner:
         if jobs:
             self._decode_call(jobs)
         with self._cond:
+            self._free_since = time.monotonic()
             if prefill is not None and prefill.done.is_set():
                 self._prefills.popleft()
         return True
@@ -225,15 +233,17 @@ class BatchRunner:
             prefill = self._prefills[0] if self._prefills else None
             if self._jobs:
                 waiting = [r for r in self._decoding if r not in self._jobs]
-                late = self._first_wait is not None and \
-                    time.monotonic() - self._first_wait >= self.gather_seconds
+                patience = max(self.gather_seconds, WAIT_FRACTION * self._call_seconds)
+                # the wait counts from when a job arrived or the last call ended, the later:
+                # jobs that came in during a call have not waited for the rows in it
+                start = max(self._first_wait or 0.0, self._free_since)
+                late = time.monotonic() - start >= patience
                 if prefill is not None or not waiting or late:
                     jobs = list(self._jobs.values())
                     self._jobs.clear()
                     self._first_wait = None
                     return prefill, jobs
-                self._cond.wait(max(0.0, self.gather_seconds -
-                                    (time.monotonic() - self._first_wait)))
+                self._cond.wait(max(0.0, patience - (time.monotonic() - start)))
                 continue
             if prefill is not None:
                 return prefill, None
@@ -325,6 +335,7 @@ class BatchRunner:
             t0 = time.perf_counter()
             logits = self.backend.run(0, hi, ids, lengths)  # [hi, S, vocab]
             seconds = time.perf_counter() - t0
+            self._call_seconds += CALL_ALPHA * (seconds - self._call_seconds)
         except BaseException as e:  # noqa: BLE001 - every job of the call gets the error
             for job in jobs:
                 job.error = e
