@@ -207,6 +207,10 @@ class CostCorrection:
     def cost(self, n: int) -> float:
         return float(self.costs(n)[-1])
 
+    def others(self) -> float:
+        """A decoder of its own: its calls emit nothing for other requests."""
+        return 0.0
+
 
 class CallCosts(Protocol):
     """What a policy prices a block with: c'(1) .. c'(n_max), learned from timed calls or not."""
@@ -215,12 +219,16 @@ class CallCosts(Protocol):
 
     def observe(self, n_tokens: int, seconds: float) -> None: ...
 
+    def others(self) -> float: ...  # tokens the call emits for other requests (0: a call of its own)
+
 
 class BatchCosts:
     """The costs of a row of a batched model (`batching.BatchRow`): the measured surface at the
-    number of rows decoding now, so a row drafts less when the shared call is wide and grows
-    steeply with S. Nothing is learned from a row's timed calls: their wall time includes
-    waiting for the other rows."""
+    number of rows decoding now, c(B, k + 1). The call is shared: a row that drafts k raises
+    every row's S to k + 1 (when it is the widest), so the policy weighs the call's tokens,
+    its own E(k) plus at least one from each of the B - 1 others (`others`), against c(B, k + 1):
+    a wide batch takes long drafts only when they are likely to pass. Nothing is learned from a
+    row's timed calls: their wall time includes waiting for the other rows."""
 
     def __init__(self, surface: CostSurface, rows: Callable[[], int]) -> None:
         self.surface, self._rows = surface, rows
@@ -231,9 +239,13 @@ class BatchCosts:
     def observe(self, n_tokens: int, seconds: float) -> None:
         """Ignored (see the class docstring)."""
 
+    def others(self) -> float:
+        return float(self._rows() - 1)
+
 
 class AdaptiveDraftLength:
-    """The cost-model policy: k* = argmax E(k) / (c(k + 1) + k * c_draft).
+    """The cost-model policy: k* = argmax (E(k) + others) / (c(k + 1) + k * c_draft), where
+    others is what the call emits for other requests (0 alone; `BatchCosts` in a batch).
 
     Serves one request at a time (the decode loop claims it); `for_request()` makes another
     over the same cross-request estimates, cost correction and report of recent choices."""
@@ -268,7 +280,7 @@ class AdaptiveDraftLength:
             chosen=self.chosen)
 
     def _best(self, a: np.ndarray, per_draft: float) -> int:
-        e = expected_tokens(a)
+        e = expected_tokens(a) + self.correction.others()  # the call's tokens, k = 0..K
         costs = self.correction.costs(a.size + 1) + per_draft * np.arange(a.size + 1)  # k = 0..K
         return int(np.argmax(e / costs))
 

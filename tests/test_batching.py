@@ -279,6 +279,12 @@ def test_cost_surface_interpolates_and_prices_a_row_by_the_batch():
     rows[0] = 4
     batched = policy.choose(block)
     assert 1 <= batched < alone  # a wide call makes each extra token dear
+    # the call's other rows emit a token each whatever this row drafts: a draft that widens
+    # the call is weighed against all of the call's tokens, not this row's alone
+    assert BatchCosts(surface, lambda: 4).others() == 3
+    solo_view = AdaptiveDraftLength(CostCurve(surface.curve(4, 8).seconds))
+    solo_view.acceptance = policy.acceptance
+    assert batched <= solo_view.choose(block)
 
 
 def test_cost_surface_measured_on_a_backend_is_monotone_and_writes_past_the_floors():
