@@ -179,7 +179,8 @@ def identical(batches: dict[tuple[str, int], list[dict]], drafters: list[str],
                     differing.append({"drafter": d, "concurrency": c, "round": rnd,
                                       "prompt": o["prompt"], "text": o["text"],
                                       "serial_text": ref, "plain_serial_text": ref_base,
-                                      "first_difference": _first_difference(o["text"], ref)})
+                                      "first_difference": _first_difference(
+                                          o["text"], ref if o["text"] != ref else ref_base)})
         per_config[f"{d}/{c}"] = {"drafter": d, "concurrency": c, "requests": n,
                                   "identical_to_serial": same,
                                   "identical_to_plain_serial": same_base}
@@ -348,6 +349,25 @@ def _versions() -> dict:
     return out
 
 
+def _checkout() -> dict:
+    """The commit of the checkout the servers run, and the tracked files changed since (outside
+    benchmarks/, results that do not change what runs)."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                                  timeout=30, check=True).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    commit = git("rev-parse", "HEAD")
+    return {"commit": commit and commit.strip(),
+            "changed": None if status is None else [
+                ln[3:] for ln in status.splitlines() if not ln[3:].startswith("benchmarks/")]}
+
+
 def _machine() -> dict:
     from ortspec.runtime.machine import cpu_model
 
@@ -399,7 +419,11 @@ def markdown(res: dict) -> str:
              (f"model {cfg['model']}, max_tokens {cfg['max_tokens']}, temperature 0, chat "
               f"requests; servers with --max-concurrent {cfg['server_max_concurrent']}; "
               f"{res['machine']['logical_cpus']} logical CPUs, load average {load} before, "
-              f"{load_after} after; {res['duration_s'] / 60:.1f} min"), ""]
+              f"{load_after} after; {res['duration_s'] / 60:.1f} min"
+              + (f"; checkout {res['checkout']['commit'][:10]}"
+                 + (f" (changed: {', '.join(res['checkout']['changed'])})"
+                    if res["checkout"].get("changed") else "")
+                 if (res.get("checkout") or {}).get("commit") else "")), ""]
     if res["levels"]:
         lines += [(f"{cfg['requests']} streamed requests per configuration per round, "
                    f"{cfg['rounds']} rounds (configurations interleaved, order shuffled per "
@@ -449,8 +473,8 @@ def markdown(res: dict) -> str:
                          for k, n in s["calls_by_rows"].items()
                          if n or upper(k) / 2 < cfg["server_max_concurrent"]}, key=upper)
         lines += ["", ("`ortspec:batch_rows` scraped from each server's /metrics at the end "
-                       "(every batched call since it started: warm-up, and any cost-curve measurement at "
-                       "start, included): calls by rows per call"), "",
+                       "(every batched decode call since it started, warm-up included): calls by "
+                       "rows per call"), "",
                   "| drafter | calls | mean rows/call | " + " | ".join(
                       f"{b} row{'' if b == '1' else 's'}" for b in bounds) + " |",
                   "|---|---:|---:|" + "---:|" * len(bounds)]
@@ -571,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     urls: dict[str, str] = {}
     started = time.time()
     load_before = os.getloadavg()
+    checkout = _checkout()  # what the servers load now
     try:
         if args.url:
             urls[drafters[0]] = args.url
@@ -637,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
                       "concurrency": levels, "requests": args.requests, "rounds": args.rounds,
                       "max_tokens": args.max_tokens, "temperature": 0, "seed": args.seed,
                       "server_max_concurrent": max(levels), "command": " ".join(sys.argv)},
-           "versions": _versions(), "machine": _machine(),
+           "versions": _versions(), "checkout": checkout, "machine": _machine(),
            "started": time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(started)),
            "duration_s": time.time() - started,
            "load_average_before": load_before, "load_average_after": os.getloadavg(),
