@@ -219,7 +219,7 @@ def test_head_and_scheme_choices_export_validated_and_exact(sources, tmp_path, l
 
 @pytest.mark.parametrize("kwargs,needle", [
     (dict(quant="int8"), "quant must be one of"),
-    (dict(quant="int4", attention="standard"), "attention='gqa'"),
+    (dict(quant="int4", attention="standard"), "attention 'gqa' or 'window'"),
     (dict(quant="int4", dtype="fp16"), "dtype='fp32'"),
     (dict(lm_head="int4"), "without quant"),
     (dict(quant="int4", lm_head="int2"), "lm_head must be one of"),
