@@ -67,6 +67,12 @@ MIN_CALL_ROWS = {False: 1, True: 2}
 # row's past + S), which costs about what GQA does at B = 1 and is bitwise row-invariant from
 # S = 2 on (hence min_call_rows 2 for it, at every precision)
 MAX_BATCH = {"gqa": 1, "standard": 1, "window": 16}
+
+
+def min_call_rows(*, quant: str | None, attention: str) -> int:
+    """Manifest.min_call_rows of an export: 2 for quantized weights and for the window flavour,
+    whose one-row calls round differently from their rows among several; else 1."""
+    return 2 if attention == "window" else MIN_CALL_ROWS[quant is not None]
 DRAFT_KINDS = ("int4", "layers")  # ensure_default_draft's kinds
 DEFAULT_DRAFT_LAYERS = 15  # ensure_default_draft("layers"): half of SmolLM2-135M's 30 layers
 
@@ -107,9 +113,10 @@ def check_options(*, capacity: int, max_verify_len: int, dtype: str, opset: int,
                                     f"com.microsoft op) with float32 activations: it needs "
                                     f"attention 'gqa' or 'window' and dtype='fp32', got "
                                     f"{attention!r} and {dtype!r}")
-    if max_verify_len < MIN_CALL_ROWS[quant is not None]:
-        raise ExportOptionError(f"max_verify_len must be at least "
-                                f"{MIN_CALL_ROWS[quant is not None]} with quant={quant!r}")
+    rows = min_call_rows(quant=quant, attention=attention)
+    if max_verify_len < rows:
+        raise ExportOptionError(f"max_verify_len must be at least {rows} with quant={quant!r} "
+                                f"and attention={attention!r}")
     return capacity, max_verify_len, opset
 
 
@@ -324,7 +331,7 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
                "tied_embeddings": ckpt.spec.tied_embeddings,
                "weight_bytes": files.weight_bytes,
                **_weight_format(options, files)},
-        min_call_rows=2 if attention == "window" else MIN_CALL_ROWS[quant is not None],
+        min_call_rows=min_call_rows(quant=quant, attention=attention),
         max_batch=MAX_BATCH[attention],
     )
     bar.update()

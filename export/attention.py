@@ -85,10 +85,12 @@ def _split_qkv(b: GraphBuilder, qkv: str) -> list[str]:
 # -- standard ONNX ops ----------------------------------------------------------------------------
 
 
-def _standard_preamble(b: GraphBuilder) -> dict[str, str]:
+def _row_preamble(b: GraphBuilder, slots: str) -> dict[str, str]:
     """Per-row positions from the mask: row r holds past_r + S ones, so its new tokens sit at
-    past_r .. past_r + S - 1 (rows of one call may have different pasts)."""
-    g, cap = b.g, b.options.capacity
+    past_r .. past_r + S - 1 (rows of one call may have different pasts); and the causal mask
+    over the key slots `slots` (an int64 tensor of slot numbers that broadcasts against
+    [B, S, 1]): query s of row r sees slot j when j <= its own position."""
+    g = b.g
     axis0 = g.const("axes_0", np.array([0], np.int64))
     axis1 = g.const("axes_1", np.array([1], np.int64))
     axis_last = g.const("axes_last", np.array([-1], np.int64))
@@ -100,16 +102,21 @@ def _standard_preamble(b: GraphBuilder) -> dict[str, str]:
     steps = g.op1("Range", [zero, g.op1("Squeeze", [s, axis0]), one])  # [S]: 0 .. S - 1
     positions = g.op1("Add", [g.op1("Unsqueeze", [past, axis1]),
                               g.op1("Unsqueeze", [steps, axis0])])  # [B, S]
-    slots = g.const("kv_slots", np.arange(cap, dtype=np.int64)[None, None, :])  # [1, 1, cap]
-    # query s of row r sees key slot j when j <= its own position: [B, 1, S, capacity] bool
     mask = g.op1("LessOrEqual", [slots, g.op1("Unsqueeze", [positions, axis_last])])
     return {
         "position_ids": positions,  # [B, S]
         "write_index": past,  # [B]: where each row's new rows go
         "valid": valid,  # [B]: nonpad_kv_seqlen
-        "mask": g.op1("Unsqueeze", [mask, axis1]),  # [B, 1, S, capacity]
+        "mask": g.op1("Unsqueeze", [mask, axis1]),  # [B, 1, S, slots]
         "positions": positions,
+        "slots": slots,
     }
+
+
+def _standard_preamble(b: GraphBuilder) -> dict[str, str]:
+    """The mask covers the whole capacity (TensorRT's profiles want static key lengths)."""
+    cap = b.options.capacity
+    return _row_preamble(b, b.g.const("kv_slots", np.arange(cap, dtype=np.int64)[None, None, :]))
 
 
 def _heads_first(b: GraphBuilder, x: str, heads: int) -> str:
@@ -124,12 +131,10 @@ def _window_mask(b: GraphBuilder, window: int, ctx: dict[str, str]) -> str:
     name = f"mask_window_{window}"
     if name not in ctx:
         g = b.g
-        cap = b.options.capacity
-        slots = g.const("kv_slots", np.arange(cap, dtype=np.int64)[None, None, :])  # [1, 1, cap]
         w = g.const(f"window_{window}", np.array(window, np.int64))
         start = g.op1("Unsqueeze", [g.op1("Sub", [ctx["positions"], w]),
                                     g.const("axes_last", np.array([-1], np.int64))])  # [B, S, 1]
-        band = g.op1("Greater", [slots, start])  # [B, S, capacity]
+        band = g.op1("Greater", [ctx["slots"], start])  # [B, S, slots]
         ctx[name] = g.op1("And", [ctx["mask"], g.op1(
             "Unsqueeze", [band, g.const("axes_1", np.array([1], np.int64))])])
     return ctx[name]
@@ -181,20 +186,13 @@ def _standard_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) 
 def _window_preamble(b: GraphBuilder) -> dict[str, str]:
     """As the standard preamble, but the mask covers the first W key slots only, W the mask's
     width (the longest row's past + S): attention reads [B, kv_heads, W, hd], not the capacity."""
-    ctx = _standard_preamble(b)
     g = b.g
-    axis_last = g.const("axes_last", np.array([-1], np.int64))
-    axis1 = g.const("axes_1", np.array([1], np.int64))
     width = g.op1("Shape", [mf.ATTENTION_MASK], start=1, end=2)  # [1]: W
     zero = g.const("zero_i64", np.array(0, np.int64))
     one = g.const("one_i64", np.array(1, np.int64))
     axis0 = g.const("axes_0", np.array([0], np.int64))
     slots = g.op1("Range", [zero, g.op1("Squeeze", [width, axis0]), one])  # [W]
-    mask = g.op1("LessOrEqual", [slots, g.op1("Unsqueeze", [ctx["positions"], axis_last])])
-    ctx["mask"] = g.op1("Unsqueeze", [mask, axis1])  # [B, 1, S, W]
-    ctx["width"] = width
-    ctx["slots"] = slots
-    return ctx
+    return {**_row_preamble(b, slots), "width": width}
 
 
 def _window_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) -> str:
@@ -206,17 +204,7 @@ def _window_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) ->
     key_w = g.op1("Slice", [key, zero, ctx["width"], axis2])  # [B, kv_heads, W, hd]
     value_w = g.op1("Slice", [value, zero, ctx["width"], axis2])
     window = spec.window(i)
-    mask = ctx["mask"]
-    if window:
-        name = f"mask_window_{window}"
-        if name not in ctx:
-            w = g.const(f"window_{window}", np.array(window, np.int64))
-            start = g.op1("Unsqueeze", [g.op1("Sub", [ctx["positions"], w]),
-                                        g.const("axes_last", np.array([-1], np.int64))])
-            band = g.op1("Greater", [ctx["slots"], start])  # [B, S, W]
-            ctx[name] = g.op1("And", [mask, g.op1(
-                "Unsqueeze", [band, g.const("axes_1", np.array([1], np.int64))])])
-        mask = ctx[name]
+    mask = _window_mask(b, window, ctx) if window else ctx["mask"]
     y = g.op1("Attention", [_heads_first(b, q, spec.num_heads), key_w, value_w, mask],
               scale=float(spec.attention_scale), is_causal=0,
               **({"softcap": float(spec.attn_softcap)} if spec.attn_softcap else {}))

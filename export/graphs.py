@@ -77,8 +77,8 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
         raise ValueError("local_rope tables are needed exactly when spec.local_rope is set")
     check_opset(options.attention, options.opset)
     if options.quant is not None and options.attention == "standard":
-        raise ValueError("quantized weights (MatMulNBits, a com.microsoft op) need the gqa "
-                         "attention flavour")
+        raise ValueError("quantized weights (MatMulNBits, a com.microsoft op) need the gqa or "
+                         "window attention flavour")
     flavour = FLAVOURS[options.attention]
     with ExternalDataWriter(data_path) as writer:
         b = GraphBuilder(spec, options, get_weight, writer)

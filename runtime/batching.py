@@ -287,17 +287,13 @@ class BatchRunner:
             job.start = row.length
         ids = job.tokens[job.offset: job.offset + self.prefill_chunk]
         n = ids.size
-        s = max(n, self.backend.min_rows)
-        padded = np.empty((1, s), np.int64)
-        padded[0, :n] = ids
-        padded[0, n:] = ids[-1]
+        padded = np.empty((1, max(n, self.backend.min_rows)), np.int64)
+        _pad_into(padded[0], ids)
         try:
             logits = self.backend.run(row.index, row.index + 1, padded,
                                       np.array([row.length], np.int64))[0, :n]
             if not np.isfinite(logits).all():
-                raise NonFiniteLogitsError(
-                    f"the graph returned NaN or infinite logits at positions "
-                    f"{row.length}..{row.length + n - 1}")
+                raise _non_finite(row.length, n)
         except BaseException as e:  # noqa: BLE001 - handed to the row's thread
             row.length = job.start
             job.error = e
@@ -324,12 +320,8 @@ class BatchRunner:
             row = self._slots[i]
             lengths[i] = row.length if row is not None else 0
             job = by_index.get(i)
-            if job is not None:
-                n = job.tokens.size
-                ids[i, :n] = job.tokens
-                ids[i, n:] = job.tokens[-1]
-            elif row is not None:
-                ids[i] = 0  # carried along: written past its valid length, never read
+            if job is not None:  # (a row without a job rides along on zeros, written past
+                _pad_into(ids[i], job.tokens)  # its valid length and never read)
         self.stats.record(rows=len(jobs), width=s, padded=hi - len(jobs))
         try:
             t0 = time.perf_counter()
@@ -347,13 +339,23 @@ class BatchRunner:
             row = job.row
             row.ort_seconds += seconds
             if not np.isfinite(rows).all():
-                job.error = NonFiniteLogitsError(
-                    f"the graph returned NaN or infinite logits at positions "
-                    f"{row.length}..{row.length + n - 1}")
+                job.error = _non_finite(row.length, n)
             else:
                 job.result = rows.copy()
                 row.length += n
             job.done.set()
+
+
+def _pad_into(out: np.ndarray, tokens: np.ndarray) -> None:
+    """out [S] = tokens [n <= S], then copies of the last token (what the padded rows compute
+    is past the row's valid length and dropped)."""
+    out[:tokens.size] = tokens
+    out[tokens.size:] = tokens[-1]
+
+
+def _non_finite(start: int, n: int) -> NonFiniteLogitsError:
+    return NonFiniteLogitsError(f"the graph returned NaN or infinite logits at positions "
+                                f"{start}..{start + n - 1}")
 
 
 def _serve(ref: "weakref.ref[BatchRunner]") -> None:

@@ -180,18 +180,19 @@ class CostSurface:
     seconds: tuple[tuple[float, ...], ...]  # [len(rows)][len(tokens)]
 
     def cost(self, rows: int, tokens: int) -> float:
-        grid = np.asarray(self.seconds)
-        by_tokens = [float(np.interp(tokens, self.tokens, line)) if tokens <= self.tokens[-1]
-                     else _extend(self.tokens, line, tokens) for line in grid]
-        if rows <= self.rows[-1]:
-            return float(np.interp(rows, self.rows, by_tokens))
-        return _extend(self.rows, by_tokens, rows)
+        return _at(self.tokens, self._line(rows), tokens)
 
     def curve(self, rows: int, max_len: int) -> CostCurve:
         """The cost of a call of 1..max_len tokens a row at `rows` rows (1 token costs as 2:
         the graph's calls run at least two)."""
-        return CostCurve(tuple(self.cost(rows, max(n, self.tokens[0]))
+        line = self._line(rows)
+        return CostCurve(tuple(_at(self.tokens, line, max(n, self.tokens[0]))
                                for n in range(1, max_len + 1)))
+
+    def _line(self, rows: int) -> list[float]:
+        """The seconds at each grid token count, at `rows` rows."""
+        columns = np.asarray(self.seconds).T  # [tokens][rows]
+        return [_at(self.rows, column, rows) for column in columns]
 
     @classmethod
     def measure(cls, backend, *, max_len: int, floors: np.ndarray | None = None,
@@ -222,6 +223,11 @@ class CostSurface:
         med = np.array([[float(np.median(times[(r, t)])) for t in tokens] for r in rows])
         med = np.maximum.accumulate(np.maximum.accumulate(med, axis=0), axis=1)
         return cls(rows, tokens, tuple(tuple(float(x) for x in line) for line in med))
+
+
+def _at(xs: Sequence[int], ys: Sequence[float], x: int) -> float:
+    """ys at x: linear between the grid points xs, extended from the last two beyond them."""
+    return float(np.interp(x, xs, ys)) if x <= xs[-1] else _extend(xs, ys, x)
 
 
 def _extend(xs: Sequence[int], ys: Sequence[float], x: int) -> float:

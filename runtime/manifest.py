@@ -19,7 +19,7 @@ directory and matches its recorded sha256. Graph inputs and outputs follow fixed
     logits                     fp32   [B, S, vocab]
 
 B is 1 unless the manifest's `max_batch` says the graph takes more rows (see
-`ortspec.runtime.batch_decoder`).
+`ortspec.runtime.batching`).
 """
 
 from __future__ import annotations
@@ -118,8 +118,8 @@ class Manifest:
     # CPU kernels compute one row differently from the same row among several (see
     # runtime/row_invariance.py); the usable capacity is then one token less
     min_call_rows: int = 1
-    # the most requests one call may carry: graphs whose batch axis is dynamic (the
-    # GroupQueryAttention flavour) take B rows, each with its own valid length; 1 for the rest
+    # the most requests one call may carry: the window-attention graph takes B rows, each with
+    # its own valid length; 1 for the rest
     max_batch: int = 1
 
     def to_json(self) -> str:
