@@ -47,7 +47,9 @@ CAPACITY_RANGE = (16, 131072)
 VERIFY_RANGE = (1, 256)
 STAGES = ("load", "build", "save", "validate", "checksums")
 # bumped whenever the graph an export writes changes; ensure_default_model re-exports older ones
-EXPORTER_REVISION = 2  # 2: the batch axis is dynamic (B rows, each its own valid length)
+# 2: the batch axis is dynamic (B rows, each its own valid length); 3: the LM head runs on the
+# rows the `logit_rows` input names only
+EXPORTER_REVISION = 3
 # the providers each graph flavour is built for (see runtime/providers.py): ORT's CUDA GQA
 # kernel is fp16/bf16 only and TensorRT does not import GQA; standard ONNX ops run anywhere
 GRAPH_PROVIDERS = {("gqa", "fp32"): "CPUExecutionProvider",
@@ -64,8 +66,10 @@ MIN_CALL_ROWS = {False: 1, True: 2}
 # rows of one batched call (Manifest.max_batch). onnxruntime 1.32's CPU GroupQueryAttention
 # refuses "batch_size > 1 when sequence_length > 1 and past context is given", so the batched
 # graph is the "window" flavour: ONNX Attention over the first W cache slots (W the longest
-# row's past + S), which costs about what GQA does at B = 1 and is bitwise row-invariant from
-# S = 2 on (hence min_call_rows 2 for it, at every precision)
+# row's past + S), which costs about what GQA does at B = 1. Its rows are bitwise row-invariant
+# once every MatMul sees two rows or more (min_call_rows 2, at every precision: a call runs two
+# tokens in all) and the attention two queries a row, which the graph ensures itself by
+# running a one-token row's attention on two copies of its query
 MAX_BATCH = {"gqa": 1, "standard": 1, "window": 16}
 
 

@@ -185,14 +185,33 @@ def _standard_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) 
 
 def _window_preamble(b: GraphBuilder) -> dict[str, str]:
     """As the standard preamble, but the mask covers the first W key slots only, W the mask's
-    width (the longest row's past + S): attention reads [B, kv_heads, W, hd], not the capacity."""
+    width (the longest row's past + S): attention reads [B, kv_heads, W, hd], not the capacity.
+
+    ONNX Runtime's CPU `Attention` computes a single query (S = 1) on another path than two or
+    more, differing in the last bits; a query's result is otherwise bitwise independent of the
+    other queries of its call. So at S = 1 the attention runs on two: the query and a copy of
+    it (Pad, edge mode), with the mask row copied alike, and the copy's output is dropped. The
+    masks here are the attention's: [B, 1, S', W], S' = max(S, 2)."""
     g = b.g
     width = g.op1("Shape", [mf.ATTENTION_MASK], start=1, end=2)  # [1]: W
     zero = g.const("zero_i64", np.array(0, np.int64))
     one = g.const("one_i64", np.array(1, np.int64))
     axis0 = g.const("axes_0", np.array([0], np.int64))
     slots = g.op1("Range", [zero, g.op1("Squeeze", [width, axis0]), one])  # [W]
-    return {**_row_preamble(b, slots), "width": width}
+    ctx = _row_preamble(b, slots)
+    s = g.op1("Shape", [mf.INPUT_IDS], start=1, end=2)  # [1]: S
+    extra = g.op1("Max", [g.op1("Sub", [g.const("two_1d", np.array([2], np.int64)), s]),
+                          g.const("zero_1d", np.array([0], np.int64))])  # [1]: 1 if S = 1
+    zeros = g.const("zeros_3", np.array([0, 0, 0], np.int64))
+    # positions [B, S] -> [B, S']: the masks built from them cover the padded queries
+    padded = g.op1("Pad", [ctx["positions"], g.op1("Concat", [zeros, extra], axis=0)],
+                   mode="edge")
+    axis_last = g.const("axes_last", np.array([-1], np.int64))
+    mask = g.op1("LessOrEqual", [slots, g.op1("Unsqueeze", [padded, axis_last])])
+    q_pads = g.op1("Concat", [g.const("zeros_6", np.zeros(6, np.int64)), extra,
+                              g.const("zero_1d", np.array([0], np.int64))], axis=0)
+    return {**ctx, "width": width, "positions": padded, "seq": s, "q_pads": q_pads,
+            "mask": g.op1("Unsqueeze", [mask, g.const("axes_1", np.array([1], np.int64))])}
 
 
 def _window_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) -> str:
@@ -205,9 +224,12 @@ def _window_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) ->
     value_w = g.op1("Slice", [value, zero, ctx["width"], axis2])
     window = spec.window(i)
     mask = _window_mask(b, window, ctx) if window else ctx["mask"]
-    y = g.op1("Attention", [_heads_first(b, q, spec.num_heads), key_w, value_w, mask],
+    queries = g.op1("Pad", [_heads_first(b, q, spec.num_heads), ctx["q_pads"]],
+                    mode="edge")  # [B, heads, S', hd]
+    y = g.op1("Attention", [queries, key_w, value_w, mask],
               scale=float(spec.attention_scale), is_causal=0,
               **({"softcap": float(spec.attn_softcap)} if spec.attn_softcap else {}))
+    y = g.op1("Slice", [y, zero, ctx["seq"], axis2])  # [B, heads, S, hd]: the padding dropped
     flat = g.const("shape_rows_attn", np.array([0, -1, q_dim], np.int64))
     return g.op1("Reshape", [g.op1("Transpose", [y], perm=[0, 2, 1, 3]), flat])  # [B, S, q_dim]
 

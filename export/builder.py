@@ -180,7 +180,12 @@ class GraphBuilder:
         return g.op1("Reshape", [y, flat])
 
     def lm_head(self, h: str) -> None:
+        """logits [N, vocab] float32 for the positions `logit_rows` names (N of them, flat
+        indices b * S + s into h [B, S, hidden]): the head runs on those rows only."""
         g, spec, q = self.g, self.spec, self.options.quant
+        flat = g.op1("Reshape", [h, g.const("shape_rows_hidden",
+                                            np.array([-1, spec.hidden_size], np.int64))])
+        h = g.op1("Gather", [flat, mf.LOGIT_ROWS], axis=0)  # [N, hidden]
         if self._head is not None:  # written by embedding(), which reads the same bytes
             logits = self.matmul_nbits(h, self._head)
         elif q is not None and self._head_quantizable():
@@ -188,17 +193,12 @@ class GraphBuilder:
             logits = self.matmul_nbits(h, self.add_quantized(
                 "lm_head", w, bits=q.lm_head_bits, scheme=q.lm_head_scheme))
         elif spec.tied_embeddings:
-            # Gemm(A [S, hidden], embed [vocab, hidden], transB): the table is stored once; the
+            # Gemm(A [N, hidden], embed [vocab, hidden], transB): the table is stored once; the
             # Gemm reads it under a second name (see onnx_writer.alias) so that ORT's packed
             # copy does not keep the Gather's memory-mapped original resident
             lm_head = "embed_as_lm_head"
             self.inits.append(alias(self._init("embed"), lm_head))
-            flat = g.op1("Reshape", [h, g.const("shape_rows_hidden",
-                                                np.array([-1, spec.hidden_size], np.int64))])
-            rows = g.op1("Gemm", [flat, lm_head], transB=1)  # [B * S, vocab]
-            vocab = g.const("vocab_dim", np.array([spec.vocab_size], np.int64))
-            shape = g.op1("Concat", [g.op1("Shape", [mf.INPUT_IDS]), vocab], axis=0)  # [B, S, V]
-            logits = g.op1("Reshape", [rows, shape])
+            logits = g.op1("Gemm", [h, lm_head], transB=1)  # [N, vocab]
         else:
             logits = g.op1("MatMul", [h, self.weight("lm_head", transpose=True)])
         if self.options.dtype != "fp32":

@@ -8,6 +8,9 @@ once. Per layer, as onnxruntime-genai's model builder lays it out for the CPU:
       -> MatMul(o) -> SkipSimplifiedLayerNormalization -> MatMul(gate), MatMul(up)
       -> gate * sigmoid(gate) * up -> MatMul(down) -> (next layer's skip norm adds the residual)
 
+and after the last layer the final norm, then the LM head on the rows `logit_rows` names only
+(a prompt chunk needs its last position's logits, a padded block its real positions').
+
 `GroupQueryAttention` applies the rotary embedding itself (do_rotary=1, cos/sin caches of
 `capacity` rows) and writes the new keys/values into the fixed-capacity KV buffer at the
 position the mask's row sum gives, in place when past and present are bound to one buffer.
@@ -148,9 +151,10 @@ def _make_model(spec: DecoderSpec, options: GraphOptions, g: NodeList,
         helper.make_tensor_value_info(mf.INPUT_IDS, TensorProto.INT64, [batch, "sequence_length"]),
         helper.make_tensor_value_info(mf.ATTENTION_MASK, TensorProto.INT64,
                                       [batch, "total_sequence_length"]),
+        helper.make_tensor_value_info(mf.LOGIT_ROWS, TensorProto.INT64, ["logit_rows"]),
     ]
     outputs = [helper.make_tensor_value_info(mf.LOGITS, TensorProto.FLOAT,
-                                             [batch, "sequence_length", spec.vocab_size])]
+                                             ["logit_rows", spec.vocab_size])]
     for i in range(spec.num_layers):
         for past, present in ((mf.past_key_name(i), mf.present_key_name(i)),
                               (mf.past_value_name(i), mf.present_value_name(i))):

@@ -3,17 +3,18 @@
 A `BatchBackend` holds the KV state of `max_rows` requests and runs calls over a contiguous
 range of them: row r appends `ids[r]` (S tokens, the same S for every row of the call) after
 the first `lengths[r]` tokens of its cache, writing their keys and values at
-lengths[r] .. lengths[r] + S - 1, and returns the logits after each. What lies past a row's
+lengths[r] .. lengths[r] + S - 1, and returns the logits after the positions `take` names
+(flat indices r * S + s; all of them by default). What lies past a row's
 valid length is never read, so a row padded with copies of a token, or carried along with
 tokens it does not want (`BatchRunner`'s idle rows), leaves its cache as it was.
 
 - `OrtBatchBackend`: one ONNX Runtime session of a graph whose batch axis is dynamic (a
   manifest with `max_batch` > 1, the "window" attention flavour) over KV buffers
   [max_rows, kv_heads, capacity, head_dim] in host memory, bound by address for the rows a call
-  covers. Every call runs at least `min_rows` tokens a row (the manifest's `min_call_rows`): the
-  graph's rows are then bitwise independent of S, of the batch size and of the other rows
-  (tests/test_batching.py measures it), so a request's logits never depend on what it was
-  batched with.
+  covers. Every call runs at least `min_rows` tokens in all (the manifest's `min_call_rows`;
+  `call_width` says how wide a call's blocks are padded): the graph's rows are then bitwise
+  independent of S, of the batch size and of the other rows (tests/test_batching.py measures
+  it), so a request's logits never depend on what it was batched with.
 - `ReferenceBatchBackend`: one `ReferenceDecoder` a row, for tests of the scheduling.
 """
 
@@ -27,6 +28,7 @@ import onnxruntime as ort
 
 from . import manifest as mf
 from .errors import ProviderError
+from .graph_io import logit_rows_for
 from .reference_decoder import ReferenceConfig, ReferenceDecoder
 from .sessions import OrtSessions
 from .validation import check_int
@@ -37,12 +39,14 @@ class BatchBackend(Protocol):
     capacity: int  # KV slots per row
     max_rows: int  # rows of the pool
     max_call: int  # most tokens a row may append in one call
-    min_rows: int  # every call runs at least this many tokens a row (padding with copies)
+    min_rows: int  # every call runs at least this many tokens in all (see call_width)
     ort_seconds: float  # time inside the model runtime
 
-    def run(self, lo: int, hi: int, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """ids [hi - lo, S] int64, lengths [hi - lo]: the logits [hi - lo, S, vocab] (a view,
-        valid until the next call)."""
+    def run(self, lo: int, hi: int, ids: np.ndarray, lengths: np.ndarray, *,
+            take: np.ndarray | None = None) -> np.ndarray:
+        """ids [hi - lo, S] int64, lengths [hi - lo], take [N] int64 (flat positions r * S + s,
+        None: all (hi - lo) * S): the logits [N, vocab] after those positions, in take's order
+        (a view, valid until the next call)."""
         ...
 
     def move(self, src: int, dst: int, length: int) -> None:
@@ -73,6 +77,10 @@ class OrtBatchBackend:
         self.ort_seconds = 0.0
         a = m.architecture
         self._session = sessions.by_entry["verify"]
+        if mf.LOGIT_ROWS not in {i.name for i in self._session.get_inputs()}:
+            raise ProviderError(f"{sessions.model_dir}: the graph has no `{mf.LOGIT_ROWS}` input "
+                                f"(exported by an earlier ortspec); export it again for "
+                                f"batched decoding")
         self._names = sessions.kv_names
         # [max_rows, kv_heads, capacity, head_dim] per layer and key/value
         self._kv = [np.zeros((self.max_rows, a.num_kv_heads, m.capacity, a.head_dim),
@@ -95,21 +103,25 @@ class OrtBatchBackend:
             self._bindings[(lo, hi)] = io
         return io
 
-    def run(self, lo: int, hi: int, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    def run(self, lo: int, hi: int, ids: np.ndarray, lengths: np.ndarray, *,
+            take: np.ndarray | None = None) -> np.ndarray:
         n, s = ids.shape
         width = int(lengths.max()) + s
         mask = self._mask[: n * width].reshape(n, width)  # [B, W]: row r has lengths[r] + S ones
         mask[:] = np.arange(width)[None, :] < (lengths[:, None] + s)
-        logits = self._logits[: n * s * self.vocab_size].reshape(n, s, self.vocab_size)
+        wanted = np.arange(n * s, dtype=np.int64) if take is None else np.asarray(take, np.int64)
         io = self._binding(lo, hi)
         io.bind_cpu_input(mf.INPUT_IDS, np.ascontiguousarray(ids, np.int64))
         io.bind_cpu_input(mf.ATTENTION_MASK, mask)
-        io.bind_output(mf.LOGITS, "cpu", 0, np.float32, [n, s, self.vocab_size],
+        rows = logit_rows_for(wanted, min_rows=self.min_rows)  # the graph computes these only
+        io.bind_cpu_input(mf.LOGIT_ROWS, rows)
+        logits = self._logits[: rows.size * self.vocab_size].reshape(rows.size, self.vocab_size)
+        io.bind_output(mf.LOGITS, "cpu", 0, np.float32, [rows.size, self.vocab_size],
                        logits.ctypes.data)
         t0 = time.perf_counter()
         self._session.run_with_iobinding(io)
         self.ort_seconds += time.perf_counter() - t0
-        return logits
+        return logits[:wanted.size]  # [N, vocab]
 
     def move(self, src: int, dst: int, length: int) -> None:
         for buf in self._kv:
@@ -135,14 +147,16 @@ class ReferenceBatchBackend:
         self.ort_seconds = 0.0
         self.calls: list[tuple[int, int]] = []  # (rows, S) of each call, for tests
 
-    def run(self, lo: int, hi: int, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    def run(self, lo: int, hi: int, ids: np.ndarray, lengths: np.ndarray, *,
+            take: np.ndarray | None = None) -> np.ndarray:
         out = np.empty((hi - lo, ids.shape[1], self.vocab_size))
         for r, (row_ids, length) in enumerate(zip(ids, lengths, strict=True)):
             dec = self.rows[lo + r]
             dec.truncate(int(length))
             out[r] = dec.forward_batch([int(t) for t in row_ids])
         self.calls.append((hi - lo, ids.shape[1]))
-        return out
+        out = out.reshape(-1, self.vocab_size)
+        return out if take is None else out[np.asarray(take, np.int64)]
 
     def move(self, src: int, dst: int, length: int) -> None:
         self.rows[src].truncate(length)

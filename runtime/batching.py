@@ -45,6 +45,7 @@ import numpy as np
 from .batch_backend import BatchBackend
 from .errors import InvalidOptionError, ModelBusyError, \
     NonFiniteLogitsError, OrtspecError
+from .graph_io import call_width
 from .validation import check_int, check_token_block, is_int
 
 GATHER_SECONDS = 0.003  # the least a call waits for the decoding rows that have no job yet
@@ -289,9 +290,10 @@ class BatchRunner:
         n = ids.size
         padded = np.empty((1, max(n, self.backend.min_rows)), np.int64)
         _pad_into(padded[0], ids)
+        take = np.arange(n) if job.keep_all else np.array([n - 1])  # prefill: the last row
         try:
             logits = self.backend.run(row.index, row.index + 1, padded,
-                                      np.array([row.length], np.int64))[0, :n]
+                                      np.array([row.length], np.int64), take=take)
             if not np.isfinite(logits).all():
                 raise _non_finite(row.length, n)
         except BaseException as e:  # noqa: BLE001 - handed to the row's thread
@@ -302,7 +304,7 @@ class BatchRunner:
         self.stats.prefill_calls += 1
         row.length += n
         job.offset += n
-        job.parts.append(logits.copy() if job.keep_all else logits[-1:].copy())
+        job.parts.append(logits.copy())
         if job.offset >= job.tokens.size:
             job.result = np.concatenate(job.parts) if job.keep_all else job.parts[-1][0]
             job.done.set()
@@ -313,9 +315,14 @@ class BatchRunner:
             return
         by_index = {j.row.index: j for j in jobs}
         hi = max(by_index) + 1  # type: ignore[type-var]
-        s = max(self.backend.min_rows, max(j.tokens.size for j in jobs))
+        s = call_width(hi, max(j.tokens.size for j in jobs), self.backend.min_rows)
         ids = np.zeros((hi, s), np.int64)
         lengths = np.zeros(hi, np.int64)
+        # the positions whose logits come back: each job's own tokens, not its padding, and
+        # nothing of the rows riding along; job i's rows start at offsets[i] of the result
+        order = sorted(by_index)
+        take = np.concatenate([i * s + np.arange(by_index[i].tokens.size) for i in order])
+        offsets = dict(zip(order, np.cumsum([0] + [by_index[i].tokens.size for i in order])))
         for i in range(hi):
             row = self._slots[i]
             lengths[i] = row.length if row is not None else 0
@@ -325,7 +332,7 @@ class BatchRunner:
         self.stats.record(rows=len(jobs), width=s, padded=hi - len(jobs))
         try:
             t0 = time.perf_counter()
-            logits = self.backend.run(0, hi, ids, lengths)  # [hi, S, vocab]
+            logits = self.backend.run(0, hi, ids, lengths, take=take)  # [take, vocab]
             seconds = time.perf_counter() - t0
             self._call_seconds += CALL_ALPHA * (seconds - self._call_seconds)
         except BaseException as e:  # noqa: BLE001 - every job of the call gets the error
@@ -335,7 +342,7 @@ class BatchRunner:
             return
         for i, job in by_index.items():
             n = job.tokens.size
-            rows = logits[i, :n]
+            rows = logits[offsets[i]:offsets[i] + n]
             row = job.row
             row.ort_seconds += seconds
             if not np.isfinite(rows).all():

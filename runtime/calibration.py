@@ -17,11 +17,12 @@ from typing import Sequence
 
 import numpy as np
 
+from .graph_io import call_width
 from .machine import cpu_model
 from .paths import cache_root
 from .protocols import Decoder
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2  # 2: cost surfaces have a one-token column
 CALIBRATION_CONTEXT = 256  # tokens in the cache while a curve is measured
 
 
@@ -165,7 +166,7 @@ def _store(path: Path, data: dict) -> None:
 
 
 SURFACE_ROWS = (1, 2, 4, 8, 16)  # batch sizes a cost surface is measured at (up to the pool's)
-SURFACE_TOKENS = (2, 4, 8, 16)  # tokens a row (every call of a batched graph runs >= 2)
+SURFACE_TOKENS = (1, 2, 4, 8, 16)  # tokens a row (a one-row call of one token runs two)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,8 +184,8 @@ class CostSurface:
         return _at(self.tokens, self._line(rows), tokens)
 
     def curve(self, rows: int, max_len: int) -> CostCurve:
-        """The cost of a call of 1..max_len tokens a row at `rows` rows (1 token costs as 2:
-        the graph's calls run at least two)."""
+        """The cost of a call of 1..max_len tokens a row at `rows` rows (below the grid's first
+        token count, that count's)."""
         line = self._line(rows)
         return CostCurve(tuple(_at(self.tokens, line, max(n, self.tokens[0]))
                                for n in range(1, max_len + 1)))
@@ -215,7 +216,9 @@ class CostSurface:
                                np.maximum(lengths, floors), floors)
         for rep in range(repeats + 1):
             for r, t in grid if rep % 2 else grid[::-1]:
-                ids = rng.integers(0, backend.vocab_size, size=(r, t))
+                # the call the runner makes (a one-row call of one token runs two)
+                ids = rng.integers(0, backend.vocab_size,
+                                   size=(r, call_width(r, t, backend.min_rows)))
                 t0 = time.perf_counter()
                 backend.run(0, r, ids, lengths[:r])
                 if rep:  # the first round warms up

@@ -8,9 +8,12 @@ the graph check (`ortspec.runtime.onnx_guard`) refuses a graph whose I/O differs
 
 from __future__ import annotations
 
+import numpy as np
+
 INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
 POSITION_IDS = "position_ids"
+LOGIT_ROWS = "logit_rows"  # optional: which positions' logits the call computes
 LOGITS = "logits"
 
 
@@ -38,4 +41,23 @@ def decoder_io(num_layers: int) -> tuple[set[str], set[str], set[str]]:
     for i in range(num_layers):
         inputs |= {past_key_name(i), past_value_name(i)}
         outputs |= {present_key_name(i), present_value_name(i)}
-    return inputs, {POSITION_IDS}, outputs
+    return inputs, {POSITION_IDS, LOGIT_ROWS}, outputs
+
+
+def logit_rows_for(wanted: np.ndarray, *, min_rows: int) -> np.ndarray:
+    """The `logit_rows` input for the flat positions `wanted` (non-empty, in the order the
+    caller reads them): `wanted`, its last entry repeated up to `min_rows` entries. A graph
+    whose rows are only exact from two on (manifest min_call_rows 2) thus never runs its LM head
+    on a single row; the caller reads the first len(wanted) rows."""
+    wanted = np.asarray(wanted, np.int64)
+    if wanted.size >= min_rows:
+        return wanted
+    return np.concatenate([wanted, np.full(min_rows - wanted.size, wanted[-1], np.int64)])
+
+
+def call_width(rows: int, tokens: int, min_rows: int) -> int:
+    """S of a call over `rows` rows whose longest block has `tokens` tokens: `tokens`, or more
+    when rows * S would fall under `min_rows` (the manifest's min_call_rows, the fewest tokens a
+    call runs in all). With min_call_rows 2 one row's step runs two tokens; a step of two rows
+    or more runs one, each row's attention padded to two queries inside the graph."""
+    return max(tokens, -(-min_rows // rows))

@@ -14,9 +14,16 @@ directory and matches its recorded sha256. Graph inputs and outputs follow fixed
     input_ids                  int64  [B, S]
     attention_mask             int64  [B, W]   row b: past_b + S ones, then zeros (W >= each)
     position_ids (optional)    int64  [B, S]
+    logit_rows (optional)      int64  [N]      positions b * S + s whose logits the call computes
     past_key_values.{i}.key    dtype  [B, kv_heads, capacity, head_dim]   bound to present.{i}.key
     past_key_values.{i}.value  dtype  [B, kv_heads, capacity, head_dim]   bound to present.{i}.value
-    logits                     fp32   [B, S, vocab]
+    logits                     fp32   [N, vocab]   row n: after position logit_rows[n]
+                                      (a graph without logit_rows: [B, S, vocab])
+
+ortspec's exports (exporter revision 3 on) take `logit_rows` and run the LM head on the
+positions it names only: a prompt chunk asks for its last position, a padded block for its real
+ones (graph_io.logit_rows_for). A graph without it (an earlier export, onnxruntime-genai's)
+computes every position; `OrtDecoder` runs both, batched decoding needs the input.
 
 B is 1 unless the manifest's `max_batch` says the graph takes more rows (see
 `ortspec.runtime.batching`).
@@ -33,7 +40,7 @@ from typing import Any
 
 from .errors import ManifestError
 from .graph_io import (  # noqa: F401 - the schema's I/O names, re-exported
-    ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS, past_key_name, past_value_name,
+    ATTENTION_MASK, INPUT_IDS, LOGIT_ROWS, LOGITS, POSITION_IDS, past_key_name, past_value_name,
     present_key_name, present_value_name)
 from .onnx_guard import check_graph
 from .validation import is_int
@@ -113,10 +120,13 @@ class Manifest:
     draft_of: str | None = None  # for a self-speculative draft: relative path of its target
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     format_version: int = FORMAT_VERSION
-    # the fewest rows any call of the graph runs: 2 pads a single new token with a copy of itself
-    # (the extra row is dropped, its KV slot overwritten by the next call), because onnxruntime's
-    # CPU kernels compute one row differently from the same row among several (see
-    # runtime/row_invariance.py); the usable capacity is then one token less
+    # the fewest rows (tokens, over all of a call's B rows) any call of the graph runs: 2 pads a
+    # single new token with a copy of itself (the extra row is dropped, its KV slot overwritten
+    # by the next call), because onnxruntime's CPU kernels compute one row differently from the
+    # same row among several (see runtime/row_invariance.py); the usable capacity is then one
+    # token less. A batched call of one token a row over B >= 2 rows needs no padding
+    # (graph_io.call_width): its MatMuls see B rows, and the window graph runs a lone query's
+    # attention on two copies of it
     min_call_rows: int = 1
     # the most requests one call may carry: the window-attention graph takes B rows, each with
     # its own valid length; 1 for the rest

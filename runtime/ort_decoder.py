@@ -15,7 +15,10 @@ the graph where to write and how far to attend, so `truncate` (a rollback after 
 draft) is an integer assignment, and the logits after it are those of a fresh decode.
 
 Only the logits come back to NumPy, into one preallocated buffer; the OrtValue bound as the
-`logits` output is a view of it, one per block length, rebound when the length changes.
+`logits` output is a view of it, one per row count, rebound when the count changes. A graph
+with the `logit_rows` input (ortspec's exports) computes only the rows a call reads: every
+position of a verify block, the last one of a prompt chunk, none of the padding; one without
+it (an earlier export, onnxruntime-genai's) computes them all.
 
 Under TensorRT, whose engines make no promise about an input aliasing an output, the KV lives
 in two sets of buffers instead ("ping-pong"): a call reads one set as past and writes the other
@@ -37,6 +40,7 @@ import onnxruntime as ort
 
 from . import manifest as mf
 from .errors import ConcurrentUseError, InvalidOptionError, ManifestError, NonFiniteLogitsError
+from .graph_io import logit_rows_for
 from .sessions import KV_MODES, OrtSessions  # noqa: F401 - KV_MODES re-exported
 from .validation import check_token_block, is_int
 
@@ -100,8 +104,10 @@ class OrtDecoder:
         rows = s.kv_shape[2]  # the buffers' capacity (one more than self.capacity when padding)
         self._mask = np.ones(rows, np.int64)  # [rows], sliced to [1, length + S]
         self._positions = np.arange(rows, dtype=np.int64)  # for graphs with position_ids
+        self._all_rows = np.arange(longest, dtype=np.int64)  # flat positions, for logit_rows
         self._logits = np.empty(longest * self.vocab_size, np.float32)  # [longest * vocab]
-        self._logit_values: dict[int, ort.OrtValue] = {}  # S -> view of _logits as [1, S, vocab]
+        # (N, taken) -> view of _logits as [N, vocab] (taken: logit_rows) or [1, N, vocab]
+        self._logit_values: dict[tuple[int, bool], ort.OrtValue] = {}
         # id(session) -> one IOBinding per current KV set (past = that set, present = the next)
         self._bindings: dict[int, list[_Binding]] = {}
         n_sets = len(self._kv_sets)
@@ -142,7 +148,7 @@ class OrtDecoder:
         """forward_batch keeping only the last row: [vocab] float32, without an [n, vocab] array."""
         with self._owned():
             last = None
-            for _, logits in self._chunks(self._check_tokens(tokens)):
+            for _, logits in self._chunks(self._check_tokens(tokens), last_only=True):
                 last = logits[-1]
             return last.copy()
 
@@ -161,13 +167,15 @@ class OrtDecoder:
     def _owned(self) -> "_Owned":
         return _Owned(self._busy, self)
 
-    def _chunks(self, ids: np.ndarray):
-        """Feed `ids` in calls of at most `prefill_chunk` tokens, yielding (offset, logits view);
-        all or nothing: a failure rolls the cache back to where it started."""
+    def _chunks(self, ids: np.ndarray, *, last_only: bool = False):
+        """Feed `ids` in calls of at most `prefill_chunk` tokens, yielding (offset, logits view:
+        each chunk's rows, or its last row only); all or nothing: a failure rolls the cache back
+        to where it started."""
         start = self._length
         try:
             for lo in range(0, len(ids), self.prefill_chunk):
-                yield lo, self._run("verify", ids[lo:lo + self.prefill_chunk], copy=False)
+                yield lo, self._run("verify", ids[lo:lo + self.prefill_chunk], copy=False,
+                                    last_only=last_only)
         except BaseException:
             self._length = start
             raise
@@ -176,7 +184,9 @@ class OrtDecoder:
         return check_token_block(tokens, vocab_size=self.vocab_size, length=self._length,
                                  capacity=self.capacity)
 
-    def _run(self, entry: str, ids: np.ndarray, *, copy: bool = True) -> np.ndarray:
+    def _run(self, entry: str, ids: np.ndarray, *, copy: bool = True,
+             last_only: bool = False) -> np.ndarray:
+        """Append `ids`; the logits after each ([n, vocab]), or after the last ([1, vocab])."""
         n = ids.size
         total = self._length + n
         rows = max(n, self.min_call_rows)  # S of the call: n, or n padded with its last token
@@ -185,17 +195,26 @@ class OrtDecoder:
         self._ids[:n] = ids
         self._ids[n:rows] = ids[-1]
         end = self._length + rows
+        wanted = self._all_rows[n - 1:n] if last_only else self._all_rows[:n]
+        take = logit_rows_for(wanted, min_rows=self.min_call_rows) \
+            if binding.has_logit_rows else None  # [N >= wanted]
         binding.bind_step(
             self._ids[:rows].reshape(1, rows),  # [1, S]
             self._mask[:end].reshape(1, end),  # [1, past + S]
             self._positions[self._length:end].reshape(1, rows),  # [1, S]
-            self._logits_value(rows),
+            take,
+            self._logits_value(rows if take is None else take.size, taken=take is not None),
         )
         t0 = time.perf_counter()
         session.run_with_iobinding(binding.io)
         self.ort_seconds += time.perf_counter() - t0
         self.ort_calls += 1
-        logits = self._logits[: n * self.vocab_size].reshape(n, self.vocab_size)  # [S, vocab]
+        if take is None:  # the graph computed all S rows: the wanted ones are a slice
+            logits = self._logits[: rows * self.vocab_size].reshape(rows, self.vocab_size)
+            logits = logits[wanted[0]:wanted[-1] + 1]
+        else:  # [N, vocab], the wanted rows first
+            logits = self._logits[: wanted.size * self.vocab_size].reshape(wanted.size,
+                                                                            self.vocab_size)
         if not np.isfinite(logits).all():
             raise NonFiniteLogitsError(f"the {entry} graph returned NaN or infinite logits at "
                                        f"positions {self._length}..{total - 1}")
@@ -203,12 +222,14 @@ class OrtDecoder:
         self._current = (self._current + 1) % len(self._kv_sets)  # ping-pong: present is current
         return logits.copy() if copy else logits
 
-    def _logits_value(self, n: int) -> ort.OrtValue:
-        value = self._logit_values.get(n)
+    def _logits_value(self, n: int, *, taken: bool) -> ort.OrtValue:
+        """The logits output of n rows: [n, vocab] (a graph with logit_rows) or [1, n, vocab]."""
+        value = self._logit_values.get((n, taken))
         if value is None:
-            view = self._logits[: n * self.vocab_size].reshape(1, n, self.vocab_size)
+            view = self._logits[: n * self.vocab_size].reshape(
+                (n, self.vocab_size) if taken else (1, n, self.vocab_size))
             value = ort.OrtValue.ortvalue_from_numpy(view)  # shares memory with self._logits
-            self._logit_values[n] = value
+            self._logit_values[n, taken] = value
         return value
 
     def __repr__(self) -> str:
@@ -246,22 +267,25 @@ class _Binding:
         needed_in = {mf.INPUT_IDS, mf.ATTENTION_MASK, *(p for p, _ in names)}
         needed_out = {mf.LOGITS, *(q for _, q in names)}
         missing = sorted((needed_in - inputs) | (needed_out - outputs))
-        extra = sorted(inputs - needed_in - {mf.POSITION_IDS})
+        extra = sorted(inputs - needed_in - {mf.POSITION_IDS, mf.LOGIT_ROWS})
         if missing or extra:
             raise ManifestError(f"{model_dir}: graph I/O does not match the manifest "
                                 f"(missing {missing}, unexpected inputs {extra})")
         self.has_positions = mf.POSITION_IDS in inputs
+        self.has_logit_rows = mf.LOGIT_ROWS in inputs
         for (past_name, present_name), src, dst in zip(names, past, present, strict=True):
             self.io.bind_ortvalue_input(past_name, src)
             self.io.bind_ortvalue_output(present_name, dst)  # shared mode: src is dst, in place
         self._bound_logits: ort.OrtValue | None = None
 
     def bind_step(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray,
-                  logits: ort.OrtValue) -> None:
+                  take: np.ndarray | None, logits: ort.OrtValue) -> None:
         self.io.bind_cpu_input(mf.INPUT_IDS, ids)
         self.io.bind_cpu_input(mf.ATTENTION_MASK, mask)
         if self.has_positions:
             self.io.bind_cpu_input(mf.POSITION_IDS, positions)
+        if take is not None:
+            self.io.bind_cpu_input(mf.LOGIT_ROWS, take)
         if logits is not self._bound_logits:
             self.io.bind_ortvalue_output(mf.LOGITS, logits)
             self._bound_logits = logits

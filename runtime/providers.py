@@ -135,15 +135,16 @@ def _with_defaults(name: str, options: dict[str, Any], manifest: mf.Manifest | N
 
 def tensorrt_profiles(manifest: mf.Manifest) -> dict[str, str]:
     """trt_profile_{min,opt,max}_shapes: profile 1 is the step (S = 1), profile 2 the verify
-    call (S = 1..max_verify_len); the mask covers 1..capacity, the KV buffers are at capacity."""
+    call (S = 1..max_verify_len); the mask covers 1..capacity, logit_rows 1..S, the KV buffers
+    are at capacity."""
     a = manifest.architecture
     kv = f"1x{a.num_kv_heads}x{manifest.capacity}x{a.head_dim}"
     kv_names = [n for i in range(a.num_layers)
                 for n in (mf.past_key_name(i), mf.past_value_name(i))]
 
-    def shapes(s: int, total: int) -> list[str]:
+    def shapes(s: int, total: int) -> list[str]:  # logit_rows: the call's N <= S rows
         return [f"{mf.INPUT_IDS}:1x{s}", f"{mf.ATTENTION_MASK}:1x{total}",
-                *(f"{n}:{kv}" for n in kv_names)]
+                f"{mf.LOGIT_ROWS}:{s}", *(f"{n}:{kv}" for n in kv_names)]
 
     step = manifest.entry_points["step"]
     verify = manifest.entry_points["verify"]

@@ -47,7 +47,8 @@ def main(argv=None) -> int:
 
     def run(ids, past, total):
         feed = dict(past, input_ids=np.array([ids], np.int64),
-                    attention_mask=np.ones((1, total), np.int64))
+                    attention_mask=np.ones((1, total), np.int64),
+                    logit_rows=np.arange(len(ids), dtype=np.int64))
         return dict(zip(names, session.run(None, feed)))
 
     rng = np.random.default_rng(0)

@@ -106,7 +106,11 @@ def test_batched_rows_decode_exactly_as_alone_greedy(min_rows):
         if speculative:
             assert sum(r.counters.accepted for r in results) > 0
             assert max(s for _, s in backend.calls) > 2
-        assert all(s >= min_rows for _, s in backend.calls)
+        # min_rows counts a call's tokens in all: one row alone pads its step to two tokens,
+        # several rows step one token each (the window graph pads their attention itself)
+        assert all(rows * s >= min_rows for rows, s in backend.calls)
+        if not speculative:
+            assert any(rows >= 2 and s == 1 for rows, s in backend.calls)
     runner.close()
 
 
@@ -143,10 +147,10 @@ def test_a_row_with_non_finite_logits_fails_only_its_request():
     poison = 7
 
     class Poisoned(ReferenceBatchBackend):
-        def run(self, lo, hi, ids, lengths):
-            out = super().run(lo, hi, ids, lengths)
-            out[ids == poison] = np.nan
-            return out
+        def run(self, lo, hi, ids, lengths, *, take=None):
+            out = super().run(lo, hi, ids, lengths)  # [B * S, vocab]
+            out[ids.reshape(-1) == poison] = np.nan
+            return out if take is None else out[take]
 
     backend = Poisoned(GREEDY, max_rows=4, max_call=8)
     runner = BatchRunner(backend, max_verify_len=8)
@@ -221,9 +225,9 @@ def test_rows_decoding_together_stay_in_one_call():
     import time
 
     class Slow(ReferenceBatchBackend):
-        def run(self, lo, hi, ids, lengths):
+        def run(self, lo, hi, ids, lengths, *, take=None):
             time.sleep(0.02)
-            return super().run(lo, hi, ids, lengths)
+            return super().run(lo, hi, ids, lengths, take=take)
 
     backend = Slow(GREEDY, max_rows=2, max_call=8)
     runner = BatchRunner(backend, max_verify_len=8)
@@ -288,15 +292,18 @@ def test_cost_surface_interpolates_and_prices_a_row_by_the_batch():
 
 
 def test_cost_surface_measured_on_a_backend_is_monotone_and_writes_past_the_floors():
-    backend = ReferenceBatchBackend(GREEDY, max_rows=3, max_call=8)
+    backend = ReferenceBatchBackend(GREEDY, max_rows=3, max_call=8, min_rows=2)
     for dec in backend.rows:
         dec.forward_batch(list(range(20)))
     floors = np.array([20, 20, 20])
     before = [dec.forward_batch([1])[0].copy() for dec in backend.rows]
     for dec in backend.rows:
         dec.truncate(20)
+    backend.calls.clear()
     surface = CostSurface.measure(backend, max_len=8, floors=floors, context=10, repeats=1)
-    assert surface.rows == (1, 2, 3) and surface.tokens == (2, 4, 8)
+    assert surface.rows == (1, 2, 3) and surface.tokens == (1, 2, 4, 8)
+    # each point timed as the runner calls it: one row's one-token call runs two tokens
+    assert (1, 1) not in backend.calls and (1, 2) in backend.calls and (2, 1) in backend.calls
     grid = np.asarray(surface.seconds)
     assert (np.diff(grid, axis=0) >= 0).all() and (np.diff(grid, axis=1) >= 0).all()
     for dec, logits in zip(backend.rows, before, strict=True):  # the first 20 tokens intact
@@ -337,13 +344,32 @@ def test_the_window_export_takes_batches_and_its_rows_are_bitwise_their_solo_cal
         expected.append(solo.forward_batch(b))
     for i, p in enumerate(prompts):  # each row prefilled alone, in its own row of the pool
         backend.run(i, i + 1, p[None, :], np.array([0]))
-    for lo, hi in ((0, 4), (1, 3), (2, 3)):  # batched with others, and alone
+    for lo, hi in ((0, 4), (1, 3), (2, 3), (0, 1)):  # batched with others, and alone
         s = max(2, max(blocks[i].size for i in range(lo, hi)))
         ids = np.stack([np.concatenate([blocks[i], np.full(s - blocks[i].size, blocks[i][-1])])
                         for i in range(lo, hi)])
-        out = backend.run(lo, hi, ids, np.array([p.size for p in prompts[lo:hi]]))
+        lengths = np.array([p.size for p in prompts[lo:hi]])
+        every = backend.run(lo, hi, ids, lengths).reshape(hi - lo, s, -1)  # all positions
         for r, i in enumerate(range(lo, hi)):
-            np.testing.assert_array_equal(out[r, :blocks[i].size], expected[i])
+            np.testing.assert_array_equal(every[r, :blocks[i].size], expected[i])
+        # the rows the runner takes (each block's own positions, no padding), in its order
+        take = np.concatenate([r * s + np.arange(blocks[i].size)
+                               for r, i in reversed(list(enumerate(range(lo, hi))))])
+        taken = backend.run(lo, hi, ids, lengths, take=take)
+        np.testing.assert_array_equal(
+            taken, np.concatenate([expected[i] for i in reversed(range(lo, hi))]))
+    # several rows' one-token steps run unpadded (S = 1: the graph pads each row's attention
+    # to two queries itself), bitwise the solo step, which runs two tokens
+    steps = rng.integers(0, 49152, size=4)
+    lengths = np.array([p.size for p in prompts])
+    alone = []
+    for p, t in zip(prompts, steps, strict=True):
+        solo.reset()
+        solo.prefill(p)
+        alone.append(solo.forward_token(int(t)))
+    for lo, hi in ((0, 4), (1, 3)):
+        got = backend.run(lo, hi, steps[lo:hi, None], lengths[lo:hi])  # [rows, vocab]
+        np.testing.assert_array_equal(got, np.stack(alone[lo:hi]))
 
 
 @pytest.mark.slow

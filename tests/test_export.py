@@ -62,9 +62,11 @@ def test_graph_inputs_and_outputs_follow_the_manifest(which, request):
     model, ins, outs = _io(d / m.entry_points["step"].graph)
     # a dynamic batch axis (the GQA graph runs B = 1; the window flavour takes B rows)
     kv = ["batch", a.num_kv_heads, CAP, a.head_dim]
+    # logit_rows: the flat positions b * S + s whose logits the call computes
     expected_in = {mf.INPUT_IDS: (TensorProto.INT64, ["batch", "sequence_length"]),
-                   mf.ATTENTION_MASK: (TensorProto.INT64, ["batch", "total_sequence_length"])}
-    expected_out = {mf.LOGITS: (TensorProto.FLOAT, ["batch", "sequence_length", a.vocab_size])}
+                   mf.ATTENTION_MASK: (TensorProto.INT64, ["batch", "total_sequence_length"]),
+                   mf.LOGIT_ROWS: (TensorProto.INT64, ["logit_rows"])}
+    expected_out = {mf.LOGITS: (TensorProto.FLOAT, ["logit_rows", a.vocab_size])}
     for i in range(a.num_layers):
         expected_in[mf.past_key_name(i)] = expected_in[mf.past_value_name(i)] = \
             (TensorProto.FLOAT, kv)
@@ -78,6 +80,33 @@ def test_graph_inputs_and_outputs_follow_the_manifest(which, request):
     # both entry points share one graph, so one session and one packed copy of the weights
     assert m.entry_points["step"].graph == m.entry_points["verify"].graph
     assert (m.entry_points["verify"].min_len, m.entry_points["verify"].max_len) == (1, VERIFY)
+
+
+def test_the_lm_head_runs_on_the_rows_logit_rows_names(llama_dir):
+    """logits row n is position logit_rows[n] of the call, in any order and with repeats, the
+    same numbers as when every position is asked for."""
+    import onnxruntime as ort
+
+    m = mf.read_manifest(llama_dir)
+    a = m.architecture
+    session = ort.InferenceSession(str(llama_dir / "model.onnx"),
+                                   providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, a.vocab_size, size=(1, 6))
+    past = {n: np.zeros((1, a.num_kv_heads, CAP, a.head_dim), np.float32)
+            for i in range(a.num_layers) for n in (mf.past_key_name(i), mf.past_value_name(i))}
+
+    def logits(rows):
+        feed = {mf.INPUT_IDS: ids, mf.ATTENTION_MASK: np.ones((1, 6), np.int64),
+                mf.LOGIT_ROWS: np.array(rows, np.int64), **past}
+        return session.run([mf.LOGITS], feed)[0]
+
+    every = logits(range(6))
+    assert every.shape == (6, a.vocab_size)
+    assert len({float(r.max()) for r in every}) == 6  # six different rows
+    some = logits([5, 0, 5, 2])
+    assert some.shape == (4, a.vocab_size)
+    np.testing.assert_allclose(some, every[[5, 0, 5, 2]], rtol=0, atol=1e-5)
 
 
 def test_tied_embedding_is_stored_once(llama_dir, llama_src):

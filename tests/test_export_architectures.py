@@ -250,7 +250,8 @@ def test_family_standard_ops_flavour_matches_transformers(name, sources, exports
 
 
 def _check_batch_rows(out):
-    """Rows of different lengths in one batched call: each bitwise its solo call."""
+    """Rows of different lengths in one batched call: each bitwise its solo call, for a verify
+    block and for a one-token step (which runs unpadded on several rows)."""
     from ortspec.runtime.batch_backend import OrtBatchBackend
     from ortspec.runtime.sessions import OrtSessions
 
@@ -267,8 +268,16 @@ def _check_batch_rows(out):
     for i, p in enumerate(prompts):
         backend.run(i, i + 1, np.array([p]), np.array([0]))
     got = backend.run(0, 3, np.array([block] * 3), np.array([len(p) for p in prompts]))
+    got = got.reshape(3, len(block), -1)  # [rows, S, vocab]
     for i in range(3):
         np.testing.assert_array_equal(got[i], expected[i])
+    steps = []
+    for p in prompts:
+        solo.reset()
+        solo.prefill(p)
+        steps.append(solo.forward_token(block[0]))
+    got = backend.run(0, 3, np.array([block[:1]] * 3), np.array([len(p) for p in prompts]))
+    np.testing.assert_array_equal(got, np.stack(steps))
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

@@ -166,8 +166,11 @@ def test_int4_draft_uses_matmul_nbits_and_shares_the_8_bit_table(target_dir):
     d = target_dir / "drafts" / "int4"
     ops = _graph_ops(d)
     assert {"MatMulNBits", "GatherBlockQuantized", "GroupQueryAttention"} <= ops
-    assert "Gemm" not in ops and "Gather" not in ops  # no float head, no float table
     model = onnx.load(str(d / "model.onnx"), load_external_data=False)
+    # no float head, no float table: the one Gather picks the hidden rows logit_rows names
+    assert "Gemm" not in ops
+    assert [list(n.input)[1] for n in model.graph.node if n.op_type == "Gather"] == [
+        mf.LOGIT_ROWS]
     nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     # per layer: qkv, o, gate+up (fused), down; then the LM head
     assert len(nbits) == 4 * LAYERS + 1

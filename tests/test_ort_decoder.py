@@ -93,6 +93,66 @@ def test_chunked_prefill_equals_its_blocks_and_token_by_token(decoder):
     assert decoder.length == len(TOKENS)
 
 
+def _every_row_graph(src, dst):
+    """A copy of export `src` whose graph has no logit_rows input and returns logits for every
+    position, [1, S, vocab], as exports before revision 3 and onnxruntime-genai's graphs do."""
+    import hashlib
+    import json
+    import shutil
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    shutil.copytree(src, dst)
+    model = onnx.load(str(dst / "model.onnx"), load_external_data=False)
+    g = model.graph
+    for n in g.node:
+        if n.op_type == "Gather" and list(n.input)[1:] == [mf.LOGIT_ROWS]:
+            gather = n
+    gather.op_type, gather.input[:] = "Identity", gather.input[:1]  # every row reaches the head
+    del gather.attribute[:]
+    for n in g.node:
+        n.output[:] = ["logits_flat" if o == mf.LOGITS else o for o in n.output]
+    vocab = mf.read_manifest(src).architecture.vocab_size
+    g.node.extend([
+        helper.make_node("Shape", [mf.INPUT_IDS], ["ids_shape"]),
+        helper.make_node("Constant", [], ["vocab"],
+                         value=helper.make_tensor("v", TensorProto.INT64, [1], [vocab])),
+        helper.make_node("Concat", ["ids_shape", "vocab"], ["logits_shape"], axis=0),
+        helper.make_node("Reshape", ["logits_flat", "logits_shape"], [mf.LOGITS])])
+    kept = [i for i in g.input if i.name != mf.LOGIT_ROWS]
+    del g.input[:]
+    g.input.extend(kept)
+    for o in g.output:
+        if o.name == mf.LOGITS:
+            o.CopyFrom(helper.make_tensor_value_info(mf.LOGITS, TensorProto.FLOAT,
+                                                     [1, "sequence_length", vocab]))
+    (dst / "model.onnx").write_bytes(model.SerializeToString())
+    data = json.loads((dst / "manifest.json").read_text())
+    data["files"]["model.onnx"] = hashlib.sha256((dst / "model.onnx").read_bytes()).hexdigest()
+    (dst / "manifest.json").write_text(json.dumps(data))
+    return dst
+
+
+def test_a_graph_computing_every_row_decodes_alike(tiny, tmp_path):
+    """The LM head on the rows a call reads only (logit_rows) changes no logit: a graph that
+    computes every position (an earlier export, onnxruntime-genai's) gives the same ones
+    through every entry point, and OrtDecoder runs both."""
+    ours = OrtDecoder(tiny[1])
+    every = OrtDecoder(_every_row_graph(tiny[1], tmp_path / "every"))
+    assert ours._bindings[id(ours.sessions.by_entry["verify"])][0].has_logit_rows
+    assert not every._bindings[id(every.sessions.by_entry["verify"])][0].has_logit_rows
+    for d in (ours, every):
+        d.prefill_chunk = VERIFY
+    got = []
+    for d in (ours, every):
+        got.append([d.prefill(TOKENS[:9]), d.forward_batch(TOKENS[9:12]),
+                    d.forward_token(TOKENS[12]), d.forward_batch(TOKENS[:10])])
+    for a, b in zip(*got, strict=True):
+        assert a.shape == b.shape
+        assert np.abs(a - b).max() <= 1e-5
+
+
 def test_kv_buffers_are_updated_in_place(decoder):
     assert decoder.kv_mode == "shared" and len(decoder._kv_sets) == 1
     buffers = decoder._kv_sets[0]

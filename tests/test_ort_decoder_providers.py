@@ -74,11 +74,12 @@ def test_tensorrt_gets_cache_fp16_and_profiles(gpu_build, tmp_path):
 def test_tensorrt_profiles_cover_step_and_verify_at_capacity():
     p = tensorrt_profiles(_manifest("fp32", "any"))
     mins, opts, maxs = (p[f"trt_profile_{k}_shapes"].split(",") for k in ("min", "opt", "max"))
-    per_profile = 2 + 2 * 2  # input_ids, attention_mask, 2 layers x (key, value)
+    per_profile = 3 + 2 * 2  # input_ids, attention_mask, logit_rows, 2 layers x (key, value)
     assert len(mins) == len(opts) == len(maxs) == 2 * per_profile
     assert mins[0] == "input_ids:1x1" and maxs[0] == "input_ids:1x1"  # step: S = 1
     assert mins[per_profile] == "input_ids:1x1" and maxs[per_profile] == "input_ids:1x8"
     assert maxs[1] == "attention_mask:1x128"
+    assert mins[2] == "logit_rows:1" and maxs[per_profile + 2] == "logit_rows:8"  # N <= S
     assert "past_key_values.1.value:1x2x128x16" in maxs
 
 
