@@ -10,8 +10,9 @@ in-process `Model.generate`.
 
 Without --url the script starts one `ortspec serve` per drafter on free local ports
 (--max-concurrent = the highest concurrency), all at once, and stops them at the end. Every
-request is a chat request, streamed, temperature 0, usage included, from PROMPTS in turn. A
-model exported with `--attention window` batches the concurrent requests in shared calls.
+request is a chat request, streamed, temperature 0, usage included, from the prompt set
+(--prompts: 8 short chat prompts, or the Spec-Bench dev split's first turns) in turn. A model
+exported with `--attention window` batches the concurrent requests in shared calls.
 
 This machine's speed drifts (other work shares its cores), so configurations are interleaved:
 each round runs every (drafter, concurrency) pair once, in an order shuffled per round, and a
@@ -57,7 +58,7 @@ import threading
 import time
 from pathlib import Path
 
-PROMPTS = [
+CHAT_PROMPTS = [
     "Summarise in two sentences: the water cycle moves water between oceans, air and land.",
     "Write a Python function that returns the n-th Fibonacci number.",
     "Translate to French: The weather is nice today and we will go for a walk.",
@@ -67,6 +68,16 @@ PROMPTS = [
     "What are the main causes of the seasons on Earth?",
     "Give three tips for writing clear emails.",
 ]
+
+
+def load_prompts(kind: str, *, per_category: int) -> list[str]:
+    """The user messages a run sends, in the order requests take them."""
+    if kind == "chat":
+        return list(CHAT_PROMPTS)
+    from ortspec.bench.workload import interleave_categories, load_questions
+
+    return [q.text for q in interleave_categories(load_questions(split="dev",
+                                                                 per_category=per_category))]
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -106,11 +117,11 @@ def _one_request(client, name: str, prompt: str, max_tokens: int, *, stream: boo
     return total, first if first is not None else total, tokens, "".join(parts)
 
 
-def run_batch(url: str, name: str, concurrency: int, n_requests: int, max_tokens: int,
-              offset: int = 0) -> dict:
+def run_batch(url: str, name: str, prompts: list[str], concurrency: int, n_requests: int,
+              max_tokens: int, offset: int = 0) -> dict:
     """`n_requests` requests from `concurrency` client threads: wall time, and per request its
-    latency, time to first text, prompt (index into PROMPTS) and completion text."""
-    jobs = [(offset + i) % len(PROMPTS) for i in range(n_requests)]
+    latency, time to first text, prompt (index into `prompts`) and completion text."""
+    jobs = [(offset + i) % len(prompts) for i in range(n_requests)]
     results: list[tuple[int, tuple[float, float, int, str]]] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
@@ -119,7 +130,7 @@ def run_batch(url: str, name: str, concurrency: int, n_requests: int, max_tokens
         client = _client(url)
         for i in range(k, len(jobs), concurrency):
             try:
-                r = _one_request(client, name, PROMPTS[jobs[i]], max_tokens)
+                r = _one_request(client, name, prompts[jobs[i]], max_tokens)
             except BaseException as e:  # noqa: BLE001 - reported by the caller
                 errors.append(e)
                 return
@@ -253,7 +264,8 @@ def rows_summary(h: dict | None) -> dict | None:
             "calls_by_rows": per_bucket, "cumulative_buckets": h["buckets"]}
 
 
-def overhead(url: str, name: str, model, drafter: str, n_requests: int, max_tokens: int) -> dict:
+def overhead(url: str, name: str, prompts: list[str], model, drafter: str, n_requests: int,
+             max_tokens: int) -> dict:
     """Seconds per token served (streamed and not) against in-process, interleaved per request."""
     from ortspec.runtime import SpeculativeOptions
 
@@ -261,7 +273,7 @@ def overhead(url: str, name: str, model, drafter: str, n_requests: int, max_toke
     local_drafter = None if drafter == "none" else drafter
     rows = []
     for i in range(n_requests):
-        prompt = PROMPTS[i % len(PROMPTS)]
+        prompt = prompts[i % len(prompts)]
         row: dict[str, float] = {}
 
         def local() -> None:
@@ -583,6 +595,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--overhead-requests", type=int, default=16,
                     help="interleaved request triples per drafter for the overhead (0: skip)")
+    ap.add_argument("--prompts", choices=("chat", "spec-bench-dev"), default="chat",
+                    help="chat: the 8 short CHAT_PROMPTS; spec-bench-dev: the first turns of the "
+                         "packaged Spec-Bench dev split (even ids), --per-category of each "
+                         "category, categories interleaved")
+    ap.add_argument("--per-category", type=int, default=4,
+                    help="Spec-Bench questions per category with --prompts spec-bench-dev")
     ap.add_argument("--seed", type=int, default=0, help="shuffles the order of each round")
     ap.add_argument("--out", help="directory for results.json, results.md and throughput.png")
     args = ap.parse_args(argv)
@@ -591,6 +609,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.url and len(drafters) != 1:
         raise SystemExit("--url serves one drafter: give --drafters with one name")
     model_dir = model_arg(args.model)
+    prompts = load_prompts(args.prompts, per_category=args.per_category)
     procs: list[subprocess.Popen] = []
     urls: dict[str, str] = {}
     started = time.time()
@@ -607,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
                 _wait_ready(proc, urls[d])
         name = httpx.get(urls[drafters[0]] + "/v1/models", timeout=10).json()["data"][0]["id"]
         for d in drafters:  # warm-up: the first requests of a fresh process are slower
-            run_batch(urls[d], name, 2, 4, args.max_tokens)
+            run_batch(urls[d], name, prompts, 2, 4, args.max_tokens)
         over = []  # first, while the servers' draft-length policies have seen only the warm-up
         if args.overhead_requests:
             from ortspec.runtime import SpeculativeOptions, load_model
@@ -615,10 +634,11 @@ def main(argv: list[str] | None = None) -> int:
             model = load_model(model_dir, max_concurrent=1)
             for d in drafters:  # the same warm-up as the servers had
                 for i in range(4):
-                    model.generate(PROMPTS[i], chat=True, drafter=None if d == "none" else d,
+                    model.generate(prompts[i % len(prompts)], chat=True,
+                                   drafter=None if d == "none" else d,
                                    options=SpeculativeOptions(args.max_tokens))
             for d in drafters:
-                o = overhead(urls[d], name, model, d, args.overhead_requests, args.max_tokens)
+                o = overhead(urls[d], name, prompts, model, d, args.overhead_requests, args.max_tokens)
                 over.append(o)
                 print(f"overhead {d}: in-process {o['local_ms_per_token']:.2f} ms/token, "
                       f"streamed {o['stream_overhead']:+.1%}, whole {o['whole_overhead']:+.1%}",
@@ -631,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
             rng.shuffle(order)
             for d, c in order:
                 before = scrape_batch_rows(urls[d])
-                b = run_batch(urls[d], name, c, args.requests, args.max_tokens, offset=rnd)
+                b = run_batch(urls[d], name, prompts, c, args.requests, args.max_tokens, offset=rnd)
                 b["batch_rows"] = rows_delta(before, scrape_batch_rows(urls[d]))
                 batches[d, c].append(b)
                 rows = b["batch_rows"]
@@ -661,6 +681,7 @@ def main(argv: list[str] | None = None) -> int:
     res = {"config": {"model": name, "model_dir": str(model_dir), "drafters": drafters,
                       "concurrency": levels, "requests": args.requests, "rounds": args.rounds,
                       "max_tokens": args.max_tokens, "temperature": 0, "seed": args.seed,
+                      "prompts": args.prompts, "prompt_texts": prompts,
                       "server_max_concurrent": max(levels), "command": " ".join(sys.argv)},
            "versions": _versions(), "checkout": checkout, "machine": _machine(),
            "started": time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(started)),
