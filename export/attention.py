@@ -85,11 +85,16 @@ def _split_qkv(b: GraphBuilder, qkv: str) -> list[str]:
 # -- standard ONNX ops ----------------------------------------------------------------------------
 
 
-def _row_preamble(b: GraphBuilder, slots: str) -> dict[str, str]:
+def _row_preamble(b: GraphBuilder, slots: str, *, pad_lone_query: bool = False
+                  ) -> dict[str, str]:
     """Per-row positions from the mask: row r holds past_r + S ones, so its new tokens sit at
     past_r .. past_r + S - 1 (rows of one call may have different pasts); and the causal mask
     over the key slots `slots` (an int64 tensor of slot numbers that broadcasts against
-    [B, S, 1]): query s of row r sees slot j when j <= its own position."""
+    [B, S, 1]): query s of row r sees slot j when j <= its own position.
+
+    pad_lone_query: the attention's queries are S' = max(S, 2) (see `_window_preamble`): the
+    masks, and "positions" they are made from, cover S' queries, the last copied at S = 1;
+    "q_pads" pads [B, heads, S, hd] queries alike and "seq" is S, to drop the copy after."""
     g = b.g
     axis0 = g.const("axes_0", np.array([0], np.int64))
     axis1 = g.const("axes_1", np.array([1], np.int64))
@@ -102,15 +107,26 @@ def _row_preamble(b: GraphBuilder, slots: str) -> dict[str, str]:
     steps = g.op1("Range", [zero, g.op1("Squeeze", [s, axis0]), one])  # [S]: 0 .. S - 1
     positions = g.op1("Add", [g.op1("Unsqueeze", [past, axis1]),
                               g.op1("Unsqueeze", [steps, axis0])])  # [B, S]
-    mask = g.op1("LessOrEqual", [slots, g.op1("Unsqueeze", [positions, axis_last])])
-    return {
+    ctx = {
         "position_ids": positions,  # [B, S]
         "write_index": past,  # [B]: where each row's new rows go
         "valid": valid,  # [B]: nonpad_kv_seqlen
-        "mask": g.op1("Unsqueeze", [mask, axis1]),  # [B, 1, S, slots]
-        "positions": positions,
         "slots": slots,
     }
+    queries = positions
+    if pad_lone_query:
+        zero_1d = g.const("zero_1d", np.array([0], np.int64))
+        extra = g.op1("Max", [g.op1("Sub", [g.const("two_1d", np.array([2], np.int64)), s]),
+                              zero_1d])  # [1]: 1 if S = 1, else 0
+        queries = g.op1("Pad", [positions, g.op1("Concat", [
+            g.const("zeros_3", np.zeros(3, np.int64)), extra], axis=0)], mode="edge")  # [B, S']
+        ctx["q_pads"] = g.op1("Concat", [g.const("zeros_6", np.zeros(6, np.int64)), extra,
+                                         zero_1d], axis=0)  # pads of [B, heads, S, hd]
+        ctx["seq"] = s
+    mask = g.op1("LessOrEqual", [slots, g.op1("Unsqueeze", [queries, axis_last])])
+    ctx["positions"] = queries  # [B, S'] (S' = S unless pad_lone_query)
+    ctx["mask"] = g.op1("Unsqueeze", [mask, axis1])  # [B, 1, S', slots]
+    return ctx
 
 
 def _standard_preamble(b: GraphBuilder) -> dict[str, str]:
@@ -190,28 +206,14 @@ def _window_preamble(b: GraphBuilder) -> dict[str, str]:
     ONNX Runtime's CPU `Attention` computes a single query (S = 1) on another path than two or
     more, differing in the last bits; a query's result is otherwise bitwise independent of the
     other queries of its call. So at S = 1 the attention runs on two: the query and a copy of
-    it (Pad, edge mode), with the mask row copied alike, and the copy's output is dropped. The
-    masks here are the attention's: [B, 1, S', W], S' = max(S, 2)."""
+    it (Pad, edge mode), with the mask row copied alike, and the copy's output is dropped."""
     g = b.g
     width = g.op1("Shape", [mf.ATTENTION_MASK], start=1, end=2)  # [1]: W
     zero = g.const("zero_i64", np.array(0, np.int64))
     one = g.const("one_i64", np.array(1, np.int64))
     axis0 = g.const("axes_0", np.array([0], np.int64))
     slots = g.op1("Range", [zero, g.op1("Squeeze", [width, axis0]), one])  # [W]
-    ctx = _row_preamble(b, slots)
-    s = g.op1("Shape", [mf.INPUT_IDS], start=1, end=2)  # [1]: S
-    extra = g.op1("Max", [g.op1("Sub", [g.const("two_1d", np.array([2], np.int64)), s]),
-                          g.const("zero_1d", np.array([0], np.int64))])  # [1]: 1 if S = 1
-    zeros = g.const("zeros_3", np.array([0, 0, 0], np.int64))
-    # positions [B, S] -> [B, S']: the masks built from them cover the padded queries
-    padded = g.op1("Pad", [ctx["positions"], g.op1("Concat", [zeros, extra], axis=0)],
-                   mode="edge")
-    axis_last = g.const("axes_last", np.array([-1], np.int64))
-    mask = g.op1("LessOrEqual", [slots, g.op1("Unsqueeze", [padded, axis_last])])
-    q_pads = g.op1("Concat", [g.const("zeros_6", np.zeros(6, np.int64)), extra,
-                              g.const("zero_1d", np.array([0], np.int64))], axis=0)
-    return {**ctx, "width": width, "positions": padded, "seq": s, "q_pads": q_pads,
-            "mask": g.op1("Unsqueeze", [mask, g.const("axes_1", np.array([1], np.int64))])}
+    return {**_row_preamble(b, slots, pad_lone_query=True), "width": width}
 
 
 def _window_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) -> str:

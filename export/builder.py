@@ -130,7 +130,8 @@ class GraphBuilder:
                                k=w.shape[1], bits=bits)
 
     def matmul_nbits(self, x: str, w: "QuantizedWeight") -> str:
-        """x [1, S, K] @ w.T through MatMulNBits, plus the block-min offsets' product."""
+        """x [..., K] @ w.T through MatMulNBits ([B, S, K] in the layers, [N, K] in the LM head),
+        plus the block-min offsets' product."""
         q = self.options.quant
         y = self.g.op1("MatMulNBits", [x, *w.inputs], domain=MS, name=w.name + "/matmul_nbits",
                        K=w.k, N=w.n, bits=w.bits, block_size=q.block_size,
@@ -141,7 +142,7 @@ class GraphBuilder:
         return y
 
     def block_sums(self, x: str, k: int) -> str:
-        """[1, S, K] -> [1, S, K / block_size]: x summed over each quantization block (once per
+        """[..., K] -> [..., K / block_size]: x summed over each quantization block (once per
         input: q, k, v share one, and so do gate and up)."""
         if x not in self._block_sums:  # one MatMul with a 0/1 block indicator [K, K / block]
             bs = self.options.quant.block_size

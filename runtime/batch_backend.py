@@ -27,7 +27,7 @@ import numpy as np
 import onnxruntime as ort
 
 from . import manifest as mf
-from .errors import ProviderError
+from .errors import ManifestError, ProviderError
 from .graph_io import logit_rows_for
 from .reference_decoder import ReferenceConfig, ReferenceDecoder
 from .sessions import OrtSessions
@@ -78,7 +78,7 @@ class OrtBatchBackend:
         a = m.architecture
         self._session = sessions.by_entry["verify"]
         if mf.LOGIT_ROWS not in {i.name for i in self._session.get_inputs()}:
-            raise ProviderError(f"{sessions.model_dir}: the graph has no `{mf.LOGIT_ROWS}` input "
+            raise ManifestError(f"{sessions.model_dir}: the graph has no `{mf.LOGIT_ROWS}` input "
                                 f"(exported by an earlier ortspec); export it again for "
                                 f"batched decoding")
         self._names = sessions.kv_names

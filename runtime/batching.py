@@ -294,8 +294,8 @@ class BatchRunner:
         try:
             logits = self.backend.run(row.index, row.index + 1, padded,
                                       np.array([row.length], np.int64), take=take)
-            if not np.isfinite(logits).all():
-                raise _non_finite(row.length, n)
+            if not np.isfinite(logits).all():  # the rows read (a prompt chunk: its last)
+                raise _non_finite(row.length + int(take[0]), int(take[-1] - take[0]) + 1)
         except BaseException as e:  # noqa: BLE001 - handed to the row's thread
             row.length = job.start
             job.error = e

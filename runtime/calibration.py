@@ -22,7 +22,7 @@ from .machine import cpu_model
 from .paths import cache_root
 from .protocols import Decoder
 
-CALIBRATION_VERSION = 2  # 2: cost surfaces have a one-token column
+CALIBRATION_VERSION = 2  # 2: cost surfaces have a one-token column (curves re-measured too)
 CALIBRATION_CONTEXT = 256  # tokens in the cache while a curve is measured
 
 
@@ -206,13 +206,14 @@ class CostSurface:
         rows = tuple(r for r in SURFACE_ROWS if r < backend.max_rows) + (backend.max_rows,)
         tokens = tuple(t for t in SURFACE_TOKENS if t < max_len) + (max_len,)
         rows, tokens = tuple(sorted(set(rows))), tuple(sorted(set(tokens)))
-        context = max(1, min(context, backend.capacity - max_len))
+        widest = max(max_len, backend.min_rows)  # a one-row one-token point runs min_rows
+        context = max(1, min(context, backend.capacity - widest))
         rng = np.random.default_rng(seed)
         times: dict[tuple[int, int], list[float]] = {(r, t): [] for r in rows for t in tokens}
         grid = list(times)
         lengths = np.full(backend.max_rows, context, np.int64)
         if floors is not None:
-            lengths = np.where(np.maximum(lengths, floors) + max_len <= backend.capacity,
+            lengths = np.where(np.maximum(lengths, floors) + widest <= backend.capacity,
                                np.maximum(lengths, floors), floors)
         for rep in range(repeats + 1):
             for r, t in grid if rep % 2 else grid[::-1]:

@@ -215,9 +215,10 @@ class OrtDecoder:
         else:  # [N, vocab], the wanted rows first
             logits = self._logits[: wanted.size * self.vocab_size].reshape(wanted.size,
                                                                             self.vocab_size)
-        if not np.isfinite(logits).all():
+        if not np.isfinite(logits).all():  # the positions read (a prompt chunk: its last)
+            lo, hi = self._length + int(wanted[0]), self._length + int(wanted[-1])
             raise NonFiniteLogitsError(f"the {entry} graph returned NaN or infinite logits at "
-                                       f"positions {self._length}..{total - 1}")
+                                       f"positions {lo}..{hi}")
         self._length = total
         self._current = (self._current + 1) % len(self._kv_sets)  # ping-pong: present is current
         return logits.copy() if copy else logits

@@ -42,13 +42,15 @@ def main(argv=None) -> int:
     session = ort.InferenceSession(model.SerializeToString(), so,
                                    providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
+    takes_rows = "logit_rows" in {i.name for i in session.get_inputs()}
     pasts = {i.name: np.zeros([1, *i.shape[1:]], np.float32) for i in session.get_inputs()
              if i.name.startswith("past_key_values")}
 
     def run(ids, past, total):
         feed = dict(past, input_ids=np.array([ids], np.int64),
-                    attention_mask=np.ones((1, total), np.int64),
-                    logit_rows=np.arange(len(ids), dtype=np.int64))
+                    attention_mask=np.ones((1, total), np.int64))
+        if takes_rows:  # exporter revision 3 on: the logits of every position, [S, vocab]
+            feed["logit_rows"] = np.arange(len(ids), dtype=np.int64)
         return dict(zip(names, session.run(None, feed)))
 
     rng = np.random.default_rng(0)
@@ -72,7 +74,8 @@ def main(argv=None) -> int:
             if diff > 0:
                 first = f"{op} {name!r} (max |diff| {diff:.3g})"
                 break
-        logits = float(np.abs(step["logits"][0, 0] - block["logits"][0, 0]).max())
+        first_row = (lambda x: x[0]) if takes_rows else (lambda x: x[0, 0])  # [vocab]
+        logits = float(np.abs(first_row(step["logits"]) - first_row(block["logits"])).max())
         print(f"block of {n:2d}: first differing node {first or 'none'}; logits max |diff| "
               f"{logits:.3g}")
     return 0

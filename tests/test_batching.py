@@ -32,6 +32,7 @@ from ortspec.runtime.batching import BatchRunner
 from ortspec.runtime.calibration import CostCurve, CostSurface
 from ortspec.runtime.draft_length import AdaptiveDraftLength, BatchCosts
 from ortspec.runtime.errors import NonFiniteLogitsError
+from ortspec.runtime.graph_io import call_width, logit_rows_for
 from ortspec.runtime.sampling import DraftBlock
 from stats_helpers import assert_matches_marginals
 from test_decode import SMALL, exact_marginals
@@ -259,6 +260,16 @@ def test_the_runner_thread_ends_when_nothing_references_the_runner():
     gc.collect()
     thread.join(5)  # it checks once a second
     assert not thread.is_alive()
+
+
+def test_the_padding_rules_on_worked_cases():
+    """call_width: only a one-row call of one token pads (to min_rows tokens in all);
+    logit_rows_for: a lone wanted row is repeated up to min_rows, more rows pass as they are."""
+    assert call_width(1, 1, 2) == 2 and call_width(2, 1, 2) == 1 and call_width(8, 1, 2) == 1
+    assert call_width(1, 3, 2) == 3 and call_width(3, 1, 1) == 1 and call_width(1, 1, 1) == 1
+    assert logit_rows_for(np.array([4]), min_rows=2).tolist() == [4, 4]
+    assert logit_rows_for(np.array([5, 0]), min_rows=2).tolist() == [5, 0]
+    assert logit_rows_for(np.array([7]), min_rows=1).tolist() == [7]
 
 
 # -- the cost surface and the per-row policy ------------------------------------------------------

@@ -13,7 +13,6 @@ DraftModelDrafter, load_model, Model.generate, Model.stream. The decode loops ru
 from __future__ import annotations
 
 import json
-
 import math
 import re
 
