@@ -288,7 +288,7 @@ class BatchRunner:
             job.start = row.length
         ids = job.tokens[job.offset: job.offset + self.prefill_chunk]
         n = ids.size
-        padded = np.empty((1, max(n, self.backend.min_rows)), np.int64)
+        padded = np.empty((1, call_width(1, n, self.backend.min_rows)), np.int64)
         _pad_into(padded[0], ids)
         take = np.arange(n) if job.keep_all else np.array([n - 1])  # prefill: the last row
         try:
@@ -304,7 +304,10 @@ class BatchRunner:
         self.stats.prefill_calls += 1
         row.length += n
         job.offset += n
-        job.parts.append(logits.copy())
+        if job.keep_all:
+            job.parts.append(logits.copy())
+        else:  # only the last chunk's row is the result
+            job.parts = [logits.copy()]
         if job.offset >= job.tokens.size:
             job.result = np.concatenate(job.parts) if job.keep_all else job.parts[-1][0]
             job.done.set()

@@ -185,10 +185,9 @@ class CostSurface:
 
     def curve(self, rows: int, max_len: int) -> CostCurve:
         """The cost of a call of 1..max_len tokens a row at `rows` rows (below the grid's first
-        token count, that count's)."""
+        token count, that count's: `_at` holds the first point to the left)."""
         line = self._line(rows)
-        return CostCurve(tuple(_at(self.tokens, line, max(n, self.tokens[0]))
-                               for n in range(1, max_len + 1)))
+        return CostCurve(tuple(_at(self.tokens, line, n) for n in range(1, max_len + 1)))
 
     def _line(self, rows: int) -> list[float]:
         """The seconds at each grid token count, at `rows` rows."""
@@ -230,7 +229,8 @@ class CostSurface:
 
 
 def _at(xs: Sequence[int], ys: Sequence[float], x: int) -> float:
-    """ys at x: linear between the grid points xs, extended from the last two beyond them."""
+    """ys at x: linear between the grid points xs, ys[0] below them, extended from the last two
+    beyond them."""
     return float(np.interp(x, xs, ys)) if x <= xs[-1] else _extend(xs, ys, x)
 
 

@@ -40,7 +40,7 @@ import onnxruntime as ort
 
 from . import manifest as mf
 from .errors import ConcurrentUseError, InvalidOptionError, ManifestError, NonFiniteLogitsError
-from .graph_io import logit_rows_for
+from .graph_io import call_width, logit_rows_for
 from .sessions import KV_MODES, OrtSessions  # noqa: F401 - KV_MODES re-exported
 from .validation import check_token_block, is_int
 
@@ -189,7 +189,7 @@ class OrtDecoder:
         """Append `ids`; the logits after each ([n, vocab]), or after the last ([1, vocab])."""
         n = ids.size
         total = self._length + n
-        rows = max(n, self.min_call_rows)  # S of the call: n, or n padded with its last token
+        rows = call_width(1, n, self.min_call_rows)  # S: n, or n padded with its last token
         session = self.sessions.by_entry[entry]
         binding = self._bindings[id(session)][self._current]
         self._ids[:n] = ids
