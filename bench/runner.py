@@ -12,7 +12,7 @@ import re
 from typing import Any, Callable, Iterable
 
 from ortspec.runtime.decode import SpeculativeOptions
-from ortspec.runtime.drafters import DRAFTER_NAMES
+from ortspec.runtime.drafters import DRAFTER_NAMES, NEEDS_DRAFT_MODEL
 from ortspec.runtime.errors import InvalidOptionError
 from ortspec.runtime.validation import check_int
 
@@ -25,26 +25,34 @@ SPECULATIVE = tuple(d for d in DRAFTERS if d != "none")  # the drafters a method
 @dataclasses.dataclass(frozen=True)
 class Method:
     """`plain`, or a drafter with the cost-model draft length (`prompt-lookup`) or a fixed one
-    (`prompt-lookup:k4`)."""
+    (`prompt-lookup:k4`); a drafter with a draft model may bound what the draft reads
+    (`draft-model:c256`: the last 256 tokens, `DraftModelDrafter`'s context; `:c0` the whole
+    history, as without the suffix)."""
 
     name: str
     drafter: str  # one of DRAFTERS
     fixed_k: int | None = None  # None: the cost model picks k per verify
+    draft_context: int | None = None  # None: the model's default (make_drafter)
 
     @classmethod
     def parse(cls, spec: str) -> "Method":
         spec = spec.strip()
         if spec == "plain":
             return cls("plain", "none")
-        m = re.fullmatch(r"([a-z+-]+)(?::k(\d+))?", spec)
+        m = re.fullmatch(r"([a-z+-]+)(?::k(\d+))?(?::c(\d+))?", spec)
         if not m or m.group(1) not in SPECULATIVE:
             raise InvalidOptionError(
                 f"unknown method {spec!r}; use plain, or one of {SPECULATIVE} optionally "
-                f"followed by :kN for a fixed draft length (e.g. prompt-lookup:k4)"
+                f"followed by :kN for a fixed draft length (e.g. prompt-lookup:k4) and, for "
+                f"{sorted(NEEDS_DRAFT_MODEL)}, :cN for the tokens the draft reads (draft-model:c256)"
             )
         k = int(m.group(2)) if m.group(2) else None
         k = check_int("fixed draft length", k, minimum=1, maximum=64, allow_none=True)
-        return cls(spec, m.group(1), k)
+        context = int(m.group(3)) if m.group(3) else None
+        if context is not None and m.group(1) not in NEEDS_DRAFT_MODEL:
+            raise InvalidOptionError(f"method {spec!r}: :cN (the draft model's context) applies to "
+                                     f"{sorted(NEEDS_DRAFT_MODEL)} only")
+        return cls(spec, m.group(1), k, context)
 
 
 @dataclasses.dataclass
@@ -129,7 +137,9 @@ def run_pairs(
             by_method: dict[str, dict[str, Any]] = {}
             for m in seq:
                 k = m.fixed_k or config.max_draft_len
-                drafter = model.make_drafter(m.drafter, ngram_size=config.ngram_size, max_draft_len=k)
+                context = {} if m.draft_context is None else {"draft_context": m.draft_context or None}
+                drafter = model.make_drafter(m.drafter, ngram_size=config.ngram_size, max_draft_len=k,
+                                             **context)
                 options = SpeculativeOptions(
                     config.max_new_tokens, temperature=config.temperature,
                     seed=config.seed * 1_000_003 + prompt.question_id * 101 + rep,

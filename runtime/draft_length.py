@@ -245,7 +245,8 @@ class BatchCosts:
 
 class AdaptiveDraftLength:
     """The cost-model policy: k* = argmax (E(k) + others) / (c(k + 1) + k * c_draft), where
-    others is what the call emits for other requests (0 alone; `BatchCosts` in a batch).
+    others is what the call emits for other requests (0 alone; `BatchCosts` in a batch). `rate`
+    is that maximum, by which a composite drafter picks the drafter for a step.
 
     Serves one request at a time (the decode loop claims it); `for_request()` makes another
     over the same cross-request estimates, cost correction and report of recent choices."""
@@ -280,9 +281,20 @@ class AdaptiveDraftLength:
             chosen=self.chosen)
 
     def _best(self, a: np.ndarray, per_draft: float) -> int:
+        return int(np.argmax(self._rates(a, per_draft)))
+
+    def _rates(self, a: np.ndarray, per_draft: float) -> np.ndarray:  # [K + 1]: tokens / second
         e = expected_tokens(a) + self.correction.others()  # the call's tokens, k = 0..K
         costs = self.correction.costs(a.size + 1) + per_draft * np.arange(a.size + 1)  # k = 0..K
-        return int(np.argmax(e / costs))
+        return e / costs
+
+    def rate(self, k_max: int, *, key: tuple[str, int], prior: float | None, paid: bool) -> float:
+        """The tokens per second expected of the best block of at most `k_max` drafts with
+        `key` (k = 0, a plain step, included); `paid`: each drafted token first costs a draft
+        step. What a composite drafter compares its drafters by, before either drafts."""
+        self.acceptance.learn_prior(key, prior)
+        a = self.acceptance.estimates(key, k_max)
+        return float(np.max(self._rates(a, self.draft_step_seconds if paid else 0.0)))
 
     def limit(self, k_max: int, *, key: tuple[str, int], prior: float | None) -> int:
         """How many tokens a model drafter should draft (it pays `draft_step_seconds` each);

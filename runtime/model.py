@@ -37,8 +37,8 @@ from .decode import (
 )
 from .draft_length import AdaptiveDraftLength, BatchCosts
 from .drafters import DRAFTER_NAMES, NEEDS_DRAFT_MODEL
-from .drafters.composite import FallbackDrafter
-from .drafters.draft_model import DraftModelDrafter
+from .drafters.composite import CostAwareDrafter
+from .drafters.draft_model import DEFAULT_DRAFT_CONTEXT, DraftModelDrafter
 from .drafters.prompt_lookup import PromptLookupSpeculator
 from .drafters.ngram_counts import NgramCountsDrafter
 from .drafters.target_cache import TargetCacheDrafter
@@ -149,11 +149,14 @@ class Model:
     # -- generation -----------------------------------------------------------------------------
 
     def make_drafter(self, name: str = "prompt-lookup", *, ngram_size: int = 3, max_draft_len: int = 8,
-                     draft_decoder: OrtDecoder | None = None) -> Drafter | None:
+                     draft_decoder: OrtDecoder | None = None,
+                     draft_context: int | None = DEFAULT_DRAFT_CONTEXT) -> Drafter | None:
         """A drafter by name: one of DRAFTER_NAMES ("none" gives None: plain decoding).
 
         The draft-model drafters run on `draft_decoder` (default: `self.draft`, the caller's
-        own); `generate` and `stream` make theirs per request on the request's slot."""
+        own); `generate` and `stream` make theirs per request on the request's slot. The draft
+        model reads the last `draft_context` tokens of the history (None: all of it; see
+        `DraftModelDrafter`)."""
         self._check_drafter_name(name)
         if name == "none":
             return None
@@ -166,8 +169,8 @@ class Model:
             return TargetCacheDrafter(ngram_size=ngram_size, max_draft_len=max_draft_len)
         # (the draft's vocabulary was checked against the target's by load_model)
         model_drafter = DraftModelDrafter(draft_decoder or self.draft, max_draft_len=max_draft_len,
-                                          prior=self._draft_agreement())
-        return model_drafter if name == "draft-model" else FallbackDrafter([lookup, model_drafter])
+                                          prior=self._draft_agreement(), context=draft_context)
+        return model_drafter if name == "draft-model" else CostAwareDrafter(lookup, model_drafter)
 
     def _check_drafter_name(self, name: str) -> None:
         if name not in DRAFTER_NAMES:

@@ -82,13 +82,17 @@ class DraftLengthPolicy(Protocol):
     Per request the decode loop calls `begin(options)` once, then per step `choose(block)`
     after drafting, `observe_cost(n_tokens, seconds)` with the wall time of the target call,
     and `observe(...)` with its outcome. A drafter that pays per drafted token asks `limit`
-    before drafting. One policy object serves one request at a time; `Model` gives each request
+    before drafting; a composite drafter asks `rate` which of its drafters to run (the tokens
+    per second the best block of a key is expected to emit, `paid` when drafting costs a step
+    per token). One policy object serves one request at a time; `Model` gives each request
     its own, sharing only the guarded cross-request estimates.
     """
 
     def begin(self, options: "SpeculativeOptions") -> None: ...
 
     def limit(self, k_max: int, *, key: tuple[str, int], prior: float | None) -> int: ...
+
+    def rate(self, k_max: int, *, key: tuple[str, int], prior: float | None, paid: bool) -> float: ...
 
     def choose(self, block: "DraftBlock") -> int: ...
 

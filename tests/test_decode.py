@@ -7,6 +7,8 @@ import pytest
 
 from fixtures_drafters import BadDrafter, EmptyDrafter, OracleDrafter, RandomDrafter
 from ortspec.runtime.draft_length import AdaptiveDraftLength, CostCurve
+from ortspec.runtime.drafters.composite import CostAwareDrafter
+from ortspec.runtime.drafters.draft_model import KEY as DRAFT_MODEL_KEY
 from ortspec.runtime import (
     DraftBlock,
     DraftDist,
@@ -68,11 +70,15 @@ def _drafter(name, vocab):
         return RandomDrafter(vocab, 3, seed=5)
     if name == "prompt_lookup":
         return PromptLookupSpeculator(ngram_size=2, max_draft_len=3)
-    return DraftModelDrafter(ReferenceDecoder(ReferenceConfig(**{**SMALL.__dict__, "seed": 9})), max_draft_len=3)
+    # draft_model_window: the draft reads the last 2 tokens of the prompt only
+    context = 2 if name == "draft_model_window" else None
+    return DraftModelDrafter(ReferenceDecoder(ReferenceConfig(**{**SMALL.__dict__, "seed": 9})), max_draft_len=3,
+                             context=context)
 
 
 @pytest.mark.parametrize("case", sorted(SAMPLING_CASES))
-@pytest.mark.parametrize("drafter_name", ["random", "prompt_lookup", "draft_model", "prompt_lookup+policy"])
+@pytest.mark.parametrize("drafter_name", ["random", "prompt_lookup", "draft_model", "draft_model_window",
+                                          "prompt_lookup+policy"])
 def test_speculative_decode_at_temperature_matches_plain_sampling(case, drafter_name):
     """Sampled speculative decodes (8,000 of 4 tokens) against the exact per-position marginals
     of plain sampling, and the exact joint of the first two tokens: chi-squared tests."""
@@ -87,6 +93,59 @@ def test_speculative_decode_at_temperature_matches_plain_sampling(case, drafter_
     # the drafts must have been exercised both ways, or the test proves nothing
     assert 0 < accepted < drafted
     assert_matches_marginals(counts, joint_counts, marginals, joint2, what=case)
+
+
+@pytest.mark.parametrize("case", sorted(SAMPLING_CASES))
+def test_the_cost_aware_composition_matches_plain_sampling(case):
+    """Prompt lookup or the draft model, chosen per step by a policy that prices draft steps:
+    the same chi-squared tests over 8,000 decodes, both drafters having drafted."""
+    kw = SAMPLING_CASES[case]
+    decoder = ReferenceDecoder(SMALL)
+    prompt, n_new, n_runs = [1, 3, 1, 3], 4, 8000
+    marginals, joint2 = exact_marginals(decoder, prompt, n_new, **kw)
+    drafter = CostAwareDrafter(PromptLookupSpeculator(ngram_size=2, max_draft_len=3), _drafter("draft_model", 0))
+    policy = AdaptiveDraftLength(CostCurve((1.0, 1.12, 1.25, 1.4)), draft_step_seconds=0.3)
+    counts, joint_counts, accepted, drafted = count_speculative_tokens(
+        decoder, prompt, drafter, kw, n_new=n_new, n_runs=n_runs, policy=policy)
+    assert 0 < accepted < drafted
+    assert min(drafter.chosen.values()) > 0, drafter.chosen
+    assert_matches_marginals(counts, joint_counts, marginals, joint2, what=case)
+
+
+class _FixedRates:
+    """A policy stand-in whose `rate` is a table by key (and whose `limit` drafts all asked)."""
+
+    def __init__(self, rates):
+        self.rates, self.asked = rates, []
+
+    def rate(self, k_max, *, key, prior, paid):
+        self.asked.append((key, k_max, paid))
+        return self.rates[key]
+
+    def limit(self, k_max, *, key, prior):
+        return k_max
+
+
+def test_the_cost_aware_composition_drafts_with_the_drafter_the_policy_rates_higher():
+    history = next(_greedy_prompts())  # ends with a 4-token repeat: prompt lookup has a block
+    lookup = PromptLookupSpeculator(ngram_size=3, max_draft_len=4)
+    lookup_block = lookup.propose(history, 4)
+    lookup_key = (lookup_block.source, lookup_block.match_len)
+    draft = DraftModelDrafter(ReferenceDecoder(ReferenceConfig(**{**GREEDY.__dict__, "seed": 2})), max_draft_len=3)
+    both = CostAwareDrafter(lookup, draft)
+    for free_rate, paid_rate, want in [(2.0, 1.0, "free"), (1.0, 2.0, "paid"), (1.5, 1.5, "free")]:
+        policy = _FixedRates({lookup_key: free_rate, DRAFT_MODEL_KEY: paid_rate})
+        both.begin(SpeculativeOptions(8), policy)
+        block = both.propose(history, 4)
+        assert block.source == ("prompt_lookup" if want == "free" else "draft_model")
+        assert block.tokens == lookup_block.tokens if want == "free" else len(block) == 3
+        # the lookup block was priced unpaid at its own length, the draft model paid at its limit
+        assert policy.asked == [(lookup_key, len(lookup_block), False), (DRAFT_MODEL_KEY, 3, True)]
+    assert both.chosen == {"free": 2, "paid": 1}
+    # no policy: prompt lookup's block when there is one (FallbackDrafter's order)
+    both.begin(SpeculativeOptions(8), None)
+    assert both.propose(history, 4).tokens == lookup_block.tokens
+    assert both.propose(history[:5], 4).source == "draft_model"  # no match in 5 random tokens
 
 
 def test_plain_sampling_matches_the_exact_marginals():
@@ -140,9 +199,38 @@ def test_speculative_decode_matches_greedy_token_for_token(max_verify_len):
         PromptLookupSpeculator(ngram_size=1, max_draft_len=4, prefer="first"),
         RandomDrafter(GREEDY.vocab_size, 5, seed=2),
         DraftModelDrafter(ReferenceDecoder(ReferenceConfig(**{**GREEDY.__dict__, "seed": 2})), max_draft_len=4),
+        # a windowed draft whose cache (24 tokens) overflows within each decode and starts again
+        DraftModelDrafter(ReferenceDecoder(ReferenceConfig(**{**GREEDY.__dict__, "seed": 2, "capacity": 24})),
+                          max_draft_len=4, context=8),
+        CostAwareDrafter(PromptLookupSpeculator(ngram_size=2, max_draft_len=4),
+                         DraftModelDrafter(ReferenceDecoder(ReferenceConfig(**{**GREEDY.__dict__, "seed": 2})),
+                                           max_draft_len=4)),
     ]
     accepted, rejected = assert_greedy_identity(decoder, drafters)
     assert accepted > 0 and rejected > 0
+
+
+def test_a_windowed_draft_reads_the_last_context_tokens_only():
+    """context=W: the draft's cache holds the history's last W tokens then its drafts, and it
+    drafts exactly what a draft shown only those W tokens drafts; when the cache would overflow
+    it starts again from the last W tokens."""
+    cfg = ReferenceConfig(**{**GREEDY.__dict__, "seed": 2, "capacity": 20})
+    history = next(_greedy_prompts())  # 20 tokens
+    windowed = DraftModelDrafter(ReferenceDecoder(cfg), max_draft_len=4, context=6)
+    whole = DraftModelDrafter(ReferenceDecoder(cfg), max_draft_len=4)
+    for d in (windowed, whole):
+        d.begin(SpeculativeOptions(8), None)
+    block = windowed.propose(history, 4)
+    assert block.tokens == whole.propose(history[-6:], 4).tokens
+    assert windowed.decoder.length == 6 + 3 and windowed.fed_tokens == 6 + 3
+    # the first draft accepted, then 5: the cache keeps the window and that draft, feeds the 5
+    grown = history + [block.tokens[0], 5]
+    assert windowed.propose(grown, 4).tokens == whole.propose(grown[-8:], 4).tokens
+    assert windowed.fed_tokens == 9 + 1 + 3
+    # 8 + 10 more + 3 drafts would pass the capacity of 20: back to the last 6 tokens
+    longer = grown + list(range(1, 11))
+    assert windowed.propose(longer, 4).tokens == whole.propose(longer[-6:], 4).tokens
+    assert windowed.decoder.length == 6 + 3
 
 
 def test_the_thin_wrapper_is_greedy_prompt_lookup():

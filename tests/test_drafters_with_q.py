@@ -186,6 +186,16 @@ def test_the_index_keeps_the_most_recent_continuation_and_the_counts_of_each_fol
     assert idx.match([5]) == (0, None)
 
 
+def test_distinct_followers_go_longest_n_gram_first_then_most_recent():
+    idx = ContinuationIndex(1, 2)
+    idx.extend([0, 1, 0, 2, 0])  # a b a c a
+    assert idx.distinct_followers([2, 0], 2) == [2, 1]  # (a,): c at 3, then b at 1
+    assert idx.distinct_followers([2, 0], 1) == [2]
+    idx.extend([1, 0, 3])  # a b a c a b a d: (b, a) -> c at 3, d at 7
+    assert idx.distinct_followers([1, 0], 4) == [3, 2, 1]  # (b, a)'s d, c; then (a,)'s b
+    assert idx.distinct_followers([9], 3) == []
+
+
 # -- continuation counts, by hand ---------------------------------------------------------------
 
 #                0    1    2    3    4    5    6    7    8    9

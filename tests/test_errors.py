@@ -197,6 +197,13 @@ def test_bad_sampling_options_for_a_draft_model(decoder, kwargs, match):
         DraftModelDrafter(decoder, **kwargs)
 
 
+@pytest.mark.parametrize("context, match", [(0, "context must be"), (2.5, "context must be"),
+                                            (CFG.capacity, "below the draft model's capacity")])
+def test_a_bad_draft_context_is_refused(decoder, context, match):
+    with pytest.raises(InvalidOptionError, match=match):
+        DraftModelDrafter(decoder, context=context)
+
+
 @pytest.mark.parametrize("flags, match", [
     (["--max-new-tokens", "0"], r"max_new_tokens must be an integer >= 1, got 0"),
     (["--max-new-tokens", "-1"], r"max_new_tokens must be an integer >= 1"),

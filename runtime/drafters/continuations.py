@@ -100,6 +100,24 @@ class ContinuationIndex:
         return 0, None
 
 
+    def distinct_followers(self, tail: Sequence[int], k: int) -> list[int]:
+        """Up to k distinct tokens that followed the n-grams ending `tail`: the longest n-gram's
+        followers, most recent first, then each shorter one's. Example, history `a b a c a`
+        (min_n 1, max_n 2), tail `c a`: (c, a) has no follower yet, (a,) was followed by c at 3
+        and b at 1, so k = 2 gives [c, b]."""
+        out: list[int] = []
+        for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
+            entry = self._maps[n].get(tuple(tail[len(tail) - n :]))
+            if entry is None:
+                continue
+            for tok, _ in sorted(entry.followers.items(), key=lambda kv: -kv[1][1]):
+                if tok not in out:
+                    out.append(tok)
+                    if len(out) == k:
+                        return out
+        return out
+
+
 QOf = Callable[[Optional[Continuations], int], DraftDist]
 
 

@@ -9,6 +9,16 @@ as sampled. If the verifier accepts d1 and then recovers r, the next call trunca
 q must be the distribution each token was actually drawn from, or the verification is no longer
 lossless; at draft temperature 0 the token is the argmax and q is its point mass. With top-k /
 top-p the support is the truncated one that was sampled from.
+
+`context` bounds what the draft reads. A draft prefills the prompt as the target does, and an
+int4 draft's prefill is no cheaper than the fp32 target's (MatMulNBits quantises the activations
+of every prompt row), so on a long prompt it can cost more than the drafts save. With
+`context=W` the draft is fed only the last W tokens of the history it first sees, then every
+token after them; when its cache would overflow it starts again from the last W. What the draft
+reads changes only how good its proposals are: each token is still verified against the q it
+was drawn from, so the output distribution is the target's whatever W is. Example, W = 2,
+history [a b c d]: the draft's cache holds [c d] (positions 0, 1 of its own), the block is
+drafted from there; the next call feeds the tokens emitted since.
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ if TYPE_CHECKING:
     from ..decode import SpeculativeOptions
 
 SOURCE = "draft_model"  # DraftBlock.source of these drafts
+KEY = (SOURCE, 0)  # the draft-length policy's key of these drafts
+DEFAULT_DRAFT_CONTEXT: int | None = None  # Model.make_drafter's context for its draft model
 
 
 class DraftModelDrafter(DrafterBase):
@@ -38,6 +50,8 @@ class DraftModelDrafter(DrafterBase):
     `target`, if given, is checked for the same vocabulary at construction. `prior` is the
     chance a drafted token is accepted before anything is learned (e.g. the top-1 agreement the
     export measured between draft and target); the draft-length policy starts from it.
+    `context`: the most history tokens the draft is first fed (None: all; see the module
+    docstring). `fed_tokens` counts the tokens fed to the draft model (prefill included).
     """
 
     def __init__(
@@ -51,8 +65,14 @@ class DraftModelDrafter(DrafterBase):
         target: Decoder | None = None,
         seed: int | None = None,
         prior: float | None = None,
+        context: int | None = None,
     ) -> None:
         check_int("max_draft_len", max_draft_len, minimum=0)
+        check_int("context", context, minimum=1, allow_none=True)
+        if context is not None and context >= decoder.capacity:
+            raise InvalidOptionError(
+                f"context ({context}) must be below the draft model's capacity "
+                f"({decoder.capacity} tokens), or None to feed the draft the whole history")
         check_sampling_options(0.0 if temperature is None else temperature, top_k, top_p)
         if target is not None and target.vocab_size != decoder.vocab_size:
             raise InvalidOptionError(
@@ -64,13 +84,16 @@ class DraftModelDrafter(DrafterBase):
         self._fixed = (temperature, top_k, top_p)
         self.temperature, self.top_k, self.top_p = (0.0 if temperature is None else temperature), top_k, top_p
         self._rng = np.random.default_rng(seed)
-        self._fed: list[int] = []  # exactly the tokens in the draft decoder's cache
+        self.context = context
+        self._start = 0  # the history position of the draft cache's first token
+        self._fed: list[int] = []  # exactly the tokens in the draft decoder's cache: history[_start:]
         self._confirmed = 0  # history length at the previous call
         self._source: Sequence[int] | None = None  # the history object seen then
         self._source_edits = -1
         self._policy: DraftLengthPolicy | None = None
         self.prior = prior
         self.steps = 0  # draft forward calls
+        self.fed_tokens = 0  # tokens fed to the draft model, prompts included
         self.seconds = 0.0  # time in the draft model
 
     def begin(self, options: "SpeculativeOptions", draft_length: DraftLengthPolicy | None) -> None:
@@ -85,45 +108,62 @@ class DraftModelDrafter(DrafterBase):
             # a stream independent of the verifier's: the draft seed is (seed, 1)
             self._rng = np.random.default_rng([options.seed, 1])
         self._fed = []
+        self._start = 0
         self._confirmed = 0
         self._policy = draft_length
         self.decoder.reset()
 
-    def _sync(self, history: Sequence[int]) -> np.ndarray:  # -> [vocab] logits after history
-        """Truncate the draft cache to its common prefix with `history`, feed the rest."""
-        fed = self._fed
-        n = min(len(fed), len(history) - 1)  # the last history token is always fed again
-        if self.decoder.length != len(fed):  # the cache was touched elsewhere: start over
+    def _sync(self, history: Sequence[int], k: int) -> np.ndarray:  # -> [vocab] logits after history
+        """Truncate the draft cache to its common prefix with `history[_start:]`, feed the rest
+        (room is left for `k` - 1 drafts). A fresh start, or one past the cache's capacity,
+        begins at the last `context` tokens."""
+        fed, start = self._fed, self._start
+        n = min(len(fed), len(history) - 1 - start)  # the last history token is always fed again
+        if self.decoder.length != len(fed) or n < 0:  # the cache was touched elsewhere
             n = 0
         # an unedited TokenHistory (what the decode loops pass) keeps the previous call's prefix:
         # compare from there, O(new tokens); any other history is compared from the start
         unedited = (history is self._source and isinstance(history, TokenHistory)
                     and history.edits == self._source_edits)
-        common = min(self._confirmed, n) if unedited else 0
-        while common < n and fed[common] == history[common]:
+        common = max(0, min(self._confirmed - start, n)) if unedited else 0
+        while common < n and fed[common] == history[start + common]:
             common += 1
+        if common == 0 or len(history) - start + k - 1 > self.decoder.capacity:
+            start = self._start = self._window_start(len(history))
+            common = 0
         if common:
             self.decoder.truncate(common)
         else:
             self.decoder.reset()
         del fed[common:]
-        new = [int(t) for t in history[common:]]
+        new = [int(t) for t in history[start + common:]]
         logits = self.decoder.forward_batch(new)[-1] if len(new) > 1 else self.decoder.forward_token(new[0])
         self.steps += 1
+        self.fed_tokens += len(new)
         fed.extend(new)
         self._confirmed = len(history)
         self._source, self._source_edits = history, history.edits if isinstance(history, TokenHistory) else -1
         return logits
 
+    def _window_start(self, n: int) -> int:
+        """Where the draft's cache starts for a history of n tokens, fed afresh."""
+        return 0 if self.context is None else max(0, n - self.context)
+
+    def rate(self, policy: DraftLengthPolicy, history: Sequence[int], max_tokens: int) -> float:
+        """What `policy` expects this drafter's next block to emit per second (drafting paid)."""
+        k = min(self.max_draft_len, max_tokens)
+        return policy.rate(k, key=KEY, prior=self.prior, paid=True) if k > 0 and history else 0.0
+
     def propose(self, history: Sequence[int], max_tokens: int) -> DraftBlock:
-        # the cache will hold the history and all drafts but the last
-        k = min(self.max_draft_len, max_tokens, self.decoder.capacity - len(history) + 1)
+        # the cache will hold the history (from its window's start) and all drafts but the last
+        room = self.decoder.capacity - (len(history) - self._window_start(len(history))) + 1
+        k = min(self.max_draft_len, max_tokens, room)
         if self._policy is not None and k > 0:
-            k = max(0, min(k, int(self._policy.limit(k, key=(SOURCE, 0), prior=self.prior))))
+            k = max(0, min(k, int(self._policy.limit(k, key=KEY, prior=self.prior))))
         if k <= 0 or not history:
             return DraftBlock.empty()
         t0 = time.perf_counter()
-        logits = self._sync(history)
+        logits = self._sync(history, k)
         tokens: list[int] = []
         dists: list[DraftDist] = []
         for i in range(k):
@@ -139,6 +179,7 @@ class DraftModelDrafter(DrafterBase):
             if i + 1 < k:
                 logits = self.decoder.forward_token(tok)
                 self.steps += 1
+                self.fed_tokens += 1
                 self._fed.append(tok)
         self.seconds += time.perf_counter() - t0
         return DraftBlock(tuple(tokens), tuple(dists), source=SOURCE, prior=self.prior)
