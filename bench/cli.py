@@ -163,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = model_arg(args.model)
         model = load_model(model_dir, providers=providers_arg(args.providers),
                            threads=args.threads, draft=(args.draft or True) if needs_draft else None)
+        windowed = [m.name for m in methods if m.draft_context]
+        if windowed and model.draft_shares_kv:
+            raise InvalidOptionError(
+                f"methods {windowed}: this draft runs on its target's KV buffers and reads the whole "
+                f"history; :cN applies to a draft with buffers of its own (--draft-layers N)")
     except OrtspecError as e:
         print(f"ortspec bench: error: {e}", file=sys.stderr)
         return 2

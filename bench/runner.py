@@ -12,6 +12,7 @@ import re
 from typing import Any, Callable, Iterable
 
 from ortspec.runtime.decode import SpeculativeOptions
+from ortspec.runtime.model import DrafterSpec
 from ortspec.runtime.drafters import DRAFTER_NAMES, NEEDS_DRAFT_MODEL
 from ortspec.runtime.errors import InvalidOptionError
 from ortspec.runtime.validation import check_int
@@ -138,8 +139,9 @@ def run_pairs(
             for m in seq:
                 k = m.fixed_k or config.max_draft_len
                 context = {} if m.draft_context is None else {"draft_context": m.draft_context or None}
-                drafter = model.make_drafter(m.drafter, ngram_size=config.ngram_size, max_draft_len=k,
-                                             **context)
+                # made on the request's slot (a draft decoder runs on its slot's KV buffers)
+                drafter = DrafterSpec(m.drafter, ngram_size=config.ngram_size, max_draft_len=k,
+                                      **context)
                 options = SpeculativeOptions(
                     config.max_new_tokens, temperature=config.temperature,
                     seed=config.seed * 1_000_003 + prompt.question_id * 101 + rep,

@@ -26,7 +26,7 @@ from .errors import (
     OrtspecError,
     ProviderError,
 )
-from .model import Model, load_model
+from .model import DrafterSpec, Model, load_model
 from .ort_decoder import OrtDecoder
 from .paths import default_model_path, models_dir
 from .protocols import Decoder, DecoderBase, DraftLengthPolicy, Drafter, DrafterBase
@@ -42,7 +42,7 @@ except PackageNotFoundError:  # imported from a source tree that was never insta
 
 __all__ = [
     "CapacityError", "ConcurrentUseError", "DecodeCounters", "Decoder", "DecoderBase",
-    "DraftBlock", "DraftDist", "DraftLengthPolicy", "DraftModelDrafter", "Drafter",
+    "DraftBlock", "DraftDist", "DraftLengthPolicy", "DraftModelDrafter", "Drafter", "DrafterSpec",
     "DrafterBase", "DrafterError", "ExportError", "InvalidDistributionError",
     "InvalidOptionError", "InvalidPromptError", "ManifestError", "Model", "ModelBusyError",
     "NonFiniteLogitsError", "OrtDecoder", "OrtSessions", "OrtspecError",

@@ -82,8 +82,12 @@ class CostCurve:
 
 def step_cost_ratio(a: Decoder, b: Decoder, *, context: int = 128, repeats: int = 12,
                     seed: int = 0) -> float:
-    """Median over interleaved pairs of (one step of decoder a) / (one step of decoder b)."""
+    """Median over interleaved pairs of (one step of decoder a) / (one step of decoder b), at a
+    context of `context` tokens (fewer where a cache holds fewer). The two may share KV
+    buffers (a draft on its target's): each step is timed right after the other's, from the
+    same cache length, and writes only past it."""
     rng = np.random.default_rng(seed)
+    context = max(1, min(context, a.capacity - 1, b.capacity - 1))
     prompt = rng.integers(0, min(a.vocab_size, b.vocab_size), size=context).tolist()
     for d in (a, b):
         d.reset()

@@ -43,12 +43,24 @@ from .drafters.prompt_lookup import PromptLookupSpeculator
 from .drafters.ngram_counts import NgramCountsDrafter
 from .drafters.target_cache import TargetCacheDrafter
 from .errors import InvalidOptionError, InvalidPromptError
-from .ort_decoder import OrtDecoder
+from .ort_decoder import OrtDecoder, kv_compatible
 from .protocols import DraftLengthPolicy, Drafter
 from .sessions import OrtSessions
 from .slots import DecodeSlot, SlotPool, WhenBusy
 
 DEFAULT_MAX_CONCURRENT = 4  # decode slots a model makes at most unless told otherwise
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterSpec:
+    """A drafter by name with its options, made afresh for each request on the request's own
+    slot by `Model.generate` and `stream` (as a bare name is): what to pass for a draft model
+    drafter with options other than the defaults, since its draft decoder belongs to the slot."""
+
+    name: str
+    ngram_size: int = 3
+    max_draft_len: int = 8
+    draft_context: int | None = DEFAULT_DRAFT_CONTEXT
 
 
 class Model:
@@ -103,23 +115,43 @@ class Model:
 
     @property
     def draft(self) -> OrtDecoder | None:
-        """A draft decoder of the caller's own (None without a draft model)."""
+        """A draft decoder of the caller's own (None without a draft model), to pair with
+        `decoder`: when the draft can run on the target's KV buffers it runs on `decoder`'s."""
         if self.draft_sessions is None:
             return None
+        target = self.decoder
         with self._lock:
             if self._draft is None:
-                self._draft = OrtDecoder.on(self.draft_sessions)
+                self._draft = self._draft_for(target)
             return self._draft
 
     @property
+    def draft_shares_kv(self) -> bool:
+        """The draft runs on its target's KV buffers (`OrtDecoder.sharing_kv`): same KV layout,
+        and the target is not a row of a batch."""
+        return (self.draft_sessions is not None and self.runner is None
+                and kv_compatible(self.draft_sessions, self.sessions) is None)
+
+    def _draft_for(self, target: OrtDecoder | Any) -> OrtDecoder:
+        assert self.draft_sessions is not None
+        if self.draft_shares_kv:
+            return OrtDecoder.sharing_kv(self.draft_sessions, target)
+        return OrtDecoder.on(self.draft_sessions)
+
+    @property
     def slot_bytes(self) -> int:
-        """Memory one decode slot takes: KV buffers and logits buffers, target and draft."""
-        return sum(s.kv_bytes_per_decoder + s.logits_bytes_per_decoder
-                   for s in (self.sessions, self.draft_sessions) if s is not None)
+        """Memory one decode slot takes: KV buffers and logits buffers, target and draft (a
+        draft on the target's KV buffers adds its logits buffer only)."""
+        total = self.sessions.kv_bytes_per_decoder + self.sessions.logits_bytes_per_decoder
+        if self.draft_sessions is not None:
+            total += self.draft_sessions.logits_bytes_per_decoder
+            if not self.draft_shares_kv:
+                total += self.draft_sessions.kv_bytes_per_decoder
+        return total
 
     def _new_slot(self) -> DecodeSlot:
-        draft = OrtDecoder.on(self.draft_sessions) if self.draft_sessions is not None else None
         target = self.runner.row() if self.runner is not None else OrtDecoder.on(self.sessions)
+        draft = self._draft_for(target) if self.draft_sessions is not None else None
         return DecodeSlot(target, draft)
 
     # -- text <-> tokens ------------------------------------------------------------------------
@@ -239,24 +271,29 @@ class Model:
 
     def _check_request(self, drafter: Any, draft_length: Any) -> None:
         """What a request can get wrong, checked when it is made, before any decoding."""
-        if isinstance(drafter, str):
-            self._check_drafter_name(drafter)
+        if isinstance(drafter, (str, DrafterSpec)):
+            self._check_drafter_name(drafter if isinstance(drafter, str) else drafter.name)
         if isinstance(draft_length, str) and draft_length != "auto":
             raise InvalidOptionError(
                 f"draft_length must be 'auto' (the cost model), None (always verify the whole "
                 f"draft) or a policy object; got {draft_length!r}")
 
-    def _steps(self, ids: list[int], drafter: Drafter | str | None, options: SpeculativeOptions,
+    def _steps(self, ids: list[int], drafter: Drafter | str | DrafterSpec | None, options: SpeculativeOptions,
                draft_length: Any, counters: DecodeCounters | None = None
                ) -> Generator[list[int], None, SpeculativeDecodeResult]:
         """One request: its policy view, then a slot, then its drafter, then the decode loop.
         The slot goes back to the pool when the decode ends, fails or is abandoned."""
-        if drafter == "none":
+        if drafter == "none" or (isinstance(drafter, DrafterSpec) and drafter.name == "none"):
             drafter = None
         policy = self._request_policy(draft_length, options) if drafter is not None else None
         with self.slots.slot() as slot:
             if isinstance(drafter, str):
-                drafter = self.make_drafter(drafter, draft_decoder=slot.draft)
+                drafter = DrafterSpec(drafter)
+            if isinstance(drafter, DrafterSpec):
+                drafter = self.make_drafter(drafter.name, ngram_size=drafter.ngram_size,
+                                            max_draft_len=drafter.max_draft_len,
+                                            draft_context=drafter.draft_context,
+                                            draft_decoder=slot.draft)
             if drafter is None:
                 return (yield from plain_decode_steps(slot.decoder, ids, options, counters=counters))
             return (yield from speculative_decode_steps(slot.decoder, ids, drafter, options,
@@ -266,14 +303,16 @@ class Model:
         self,
         prompt: str | Sequence[int],
         *,
-        drafter: Drafter | str | None = "prompt-lookup",
+        drafter: Drafter | str | DrafterSpec | None = "prompt-lookup",
         options: SpeculativeOptions | None = None,
         chat: bool = False,
         system: str | None = None,
         draft_length: Any = "auto",
     ) -> SpeculativeDecodeResult:
         """Decode `prompt` (text, or token ids) with `drafter` (a name from DRAFTER_NAMES, a
-        drafter object, or None: plain decoding).
+        `DrafterSpec`, a drafter object, or None: plain decoding). A name or a spec makes the
+        drafter on the request's own slot, whose draft decoder runs on the slot's KV buffers;
+        a draft-model drafter object built on `model.draft` serves `model.decoder` only.
 
         `options.stop_token_ids` defaults to the model's; `result.text` holds the decoded text.
         `draft_length`: "auto" (default) lets the model's cost-model policy pick how many drafted
@@ -297,7 +336,7 @@ class Model:
         self,
         prompt: str | Sequence[int],
         *,
-        drafter: Drafter | str | None = "prompt-lookup",
+        drafter: Drafter | str | DrafterSpec | None = "prompt-lookup",
         options: SpeculativeOptions | None = None,
         chat: bool = False,
         system: str | None = None,

@@ -24,6 +24,13 @@ Under TensorRT, whose engines make no promise about an input aliasing an output,
 in two sets of buffers instead ("ping-pong"): a call reads one set as past and writes the other
 as present (the graph copies the past rows over, O(capacity) on the device), then they swap.
 Both sets are pre-bound in two IOBindings, so a swap rebinds nothing.
+
+A draft of the same architecture (the int4 self-speculative draft) may run on its target's KV
+buffers instead of its own (`OrtDecoder.sharing_kv`): it attends over the keys and values the
+target computed for the history, so it needs no prefill and no catch-up on the tokens the
+target accepted, and writes its own keys and values only past the target's length, positions
+the target's next call overwrites before it reads them. `follow_owner` takes the target's
+length as the draft's. The two decoders share one busy lock.
 """
 
 from __future__ import annotations
@@ -69,7 +76,20 @@ class OrtDecoder:
         self._init(sessions)
         return self
 
-    def _init(self, sessions: OrtSessions) -> None:
+    @classmethod
+    def sharing_kv(cls, sessions: OrtSessions, owner: "OrtDecoder") -> "OrtDecoder":
+        """A decoder over `sessions` that reads and writes `owner`'s KV buffers (see the module
+        docstring): `sessions` must have the owner's KV shape, dtype and device, in "shared"
+        mode (`kv_compatible`). Its length starts at 0; `follow_owner` sets it."""
+        problem = kv_compatible(sessions, owner.sessions)
+        if problem:
+            raise ManifestError(f"{sessions.model_dir} cannot run on the KV buffers of "
+                                f"{owner.model_dir}: {problem}")
+        self = cls.__new__(cls)
+        self._init(sessions, kv_owner=owner)
+        return self
+
+    def _init(self, sessions: OrtSessions, kv_owner: "OrtDecoder | None" = None) -> None:
         s = self.sessions = sessions
         self.model_dir: Path = s.model_dir
         self.manifest: mf.Manifest = s.manifest
@@ -82,12 +102,14 @@ class OrtDecoder:
         self._length = 0
         self.ort_seconds = 0.0  # wall time inside run_with_iobinding
         self.ort_calls = 0
-        self._busy = threading.Lock()  # held while a call runs: one caller at a time
+        self.kv_owner = kv_owner  # the decoder whose KV buffers these are (None: its own)
+        # held while a call runs: one caller at a time, on the owner's buffers too
+        self._busy = threading.Lock() if kv_owner is None else kv_owner._busy
 
         device, device_id = s.kv_device
         zeros = np.zeros(s.kv_shape, s.kv_dtype)  # never-read garbage would be harmless too
-        self._kv_sets: list[list[ort.OrtValue]] = []  # [set][layer * 2 + (0 key | 1 value)]
-        for _ in range(2 if self.kv_mode == "ping-pong" else 1):
+        self._kv_sets: list[list[ort.OrtValue]] = [] if kv_owner is None else kv_owner._kv_sets
+        for _ in range(0 if kv_owner is not None else 2 if self.kv_mode == "ping-pong" else 1):
             bufs = []
             for _ in s.kv_names:
                 buf = ort.OrtValue.ortvalue_from_shape_and_type(s.kv_shape, s.kv_dtype, device,
@@ -151,6 +173,15 @@ class OrtDecoder:
             for _, logits in self._chunks(self._check_tokens(tokens), last_only=True):
                 last = logits[-1]
             return last.copy()
+
+    def follow_owner(self) -> int:
+        """A decoder `sharing_kv`: take the owner's length as its own (the owner's cache is now
+        this one's); returns it."""
+        if self.kv_owner is None:
+            raise InvalidOptionError(f"{self!r} has KV buffers of its own: nothing to follow")
+        with self._owned():
+            self._length = self.kv_owner.length
+            return self._length
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` tokens of the cache (0 <= length <= self.length). O(1)."""
@@ -236,6 +267,21 @@ class OrtDecoder:
     def __repr__(self) -> str:
         return (f"OrtDecoder({str(self.model_dir)!r}, length={self._length}, "
                 f"capacity={self.capacity}, providers={self.providers})")
+
+
+def kv_compatible(sessions: OrtSessions, owner: OrtSessions) -> str | None:
+    """Why a decoder over `sessions` cannot run on the KV buffers of one over `owner` (None when
+    it can): the buffers must have one shape, dtype and device, be shared in place (not
+    ping-pong), and be as many (a key and a value per layer)."""
+    if sessions.kv_mode != "shared" or owner.kv_mode != "shared":
+        return f"KV modes {sessions.kv_mode!r} and {owner.kv_mode!r} (both must be 'shared')"
+    for what, a, b in (("KV shape", sessions.kv_shape, owner.kv_shape),
+                       ("KV dtype", sessions.kv_dtype, owner.kv_dtype),
+                       ("KV device", sessions.kv_device, owner.kv_device),
+                       ("KV tensors", len(sessions.kv_names), len(owner.kv_names))):
+        if a != b:
+            return f"{what} {a} against {b}"
+    return None
 
 
 class _Owned:

@@ -26,5 +26,14 @@ for T in 0.7 1; do
   $B --per-category 3 --max-new-tokens 96 --temperature $T --out benchmarks/drafters-with-q/t$T \
      --methods plain,prompt-lookup,ngram-counts,target-cache
 done
+# 5. the int4 draft on its target's KV buffers, alone and composed with prompt lookup, T = 0.7, 0, 1
+for T in 0.7 0 1; do
+  $B --per-category 4 --max-new-tokens 96 --temperature $T --out benchmarks/shared-kv-draft/t$T \
+     --methods plain,prompt-lookup,draft-model,prompt-lookup+draft-model
+done
+# 6. the target mass several model-free candidates could reach (no timing)
+for T in 1 0.7; do
+  .venv/bin/python scripts/candidate_mass.py --temperature $T --per-category 4 --max-new-tokens 96
+done > benchmarks/candidate-mass/tables.md
 # (not committed) the anchors on the same prompts, in their own environment:
 #   scripts/setup_anchors.sh && $B --per-category 3 --methods plain,prompt-lookup --anchors genai,hf --out benchmarks/tmp/anchors

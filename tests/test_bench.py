@@ -58,9 +58,14 @@ def test_methods_parse():
     m = Method.parse("prompt-lookup:k4")
     assert (m.drafter, m.fixed_k) == ("prompt-lookup", 4)
     assert Method.parse("prompt-lookup").fixed_k is None
-    for bad in ("lookup", "prompt-lookup:k0", "prompt-lookup:4"):
+    m = Method.parse("draft-model:k3:c256")
+    assert (m.drafter, m.fixed_k, m.draft_context) == ("draft-model", 3, 256)
+    assert Method.parse("prompt-lookup+draft-model:c0").draft_context == 0  # the whole history
+    for bad in ("lookup", "prompt-lookup:k0", "prompt-lookup:4", "draft-model:c256:k3"):
         with pytest.raises(InvalidOptionError):
             Method.parse(bad)
+    with pytest.raises(InvalidOptionError, match=":cN .* applies to"):
+        Method.parse("prompt-lookup:c64")
 
 
 def _rec(method, qid, cat, tokens, seconds, prefill=0.0, **kw):

@@ -19,10 +19,10 @@ from onnx import TensorProto, helper, numpy_helper
 from ortspec.export import DraftOptionError, ExportOptionError, add_draft, export_model
 from ortspec.export import drafts as drafts_mod
 from ortspec.export.quantize import quantize_blockwise
-from ortspec.runtime import (DraftModelDrafter, SpeculativeOptions, load_model, plain_decode,
-                             speculative_decode_with)
+from ortspec.runtime import (DraftModelDrafter, DrafterSpec, SpeculativeOptions, load_model,
+                             plain_decode, speculative_decode_with)
 from ortspec.runtime import manifest as mf
-from ortspec.runtime.errors import ExportError
+from ortspec.runtime.errors import DrafterError, ExportError, InvalidOptionError, ManifestError
 from ortspec.runtime.ort_decoder import OrtDecoder
 
 CAP, VERIFY = 64, 4
@@ -321,6 +321,89 @@ def test_make_drafter_uses_the_paired_draft(target_dir):
     prompt = _ids(12, 3)
     assert speculative_decode_with(model.decoder, prompt, drafter, options).tokens == \
         plain_decode(model.decoder, prompt, options).tokens
+
+
+@pytest.mark.parametrize("draft_name, shares", [("int4", True), ("layers1", False)])
+def test_a_draft_of_the_targets_layout_runs_on_its_kv_buffers(target_dir, draft_name, shares):
+    """The int4 draft has the target's KV layout: it drafts over the target's own cache, so it
+    is fed one token a draft and never the prompt; the one-layer draft keeps buffers of its
+    own and prefills. Greedy output is plain decoding's either way."""
+    model = load_model(target_dir, draft=target_dir / "drafts" / draft_name)
+    assert model.draft_shares_kv is shares
+    assert (model.draft.kv_owner is model.decoder) is shares
+    own_kv = model.draft_sessions.kv_bytes_per_decoder
+    assert model.slot_bytes == (model.sessions.kv_bytes_per_decoder + model.sessions.logits_bytes_per_decoder
+                                + model.draft_sessions.logits_bytes_per_decoder + (0 if shares else own_kv))
+    options = SpeculativeOptions(max_new_tokens=30, stop_token_ids=())
+    prompt = _ids(20, 3)
+    plain = plain_decode(model.decoder, prompt, options)
+    drafter = DraftModelDrafter(model.draft, max_draft_len=4)
+    spec = speculative_decode_with(model.decoder, prompt, drafter, options)
+    assert spec.tokens == plain.tokens
+    c = spec.counters
+    assert c.drafted > 0 and c.rejected > 0  # both outcomes, so rollbacks were exercised
+    if shares:  # per block of k: the pending token, then k - 1 drafts
+        assert drafter.fed_tokens == drafter.steps == c.drafted
+    else:
+        assert drafter.fed_tokens > len(prompt) + c.drafted - c.verify_calls
+
+
+def test_concurrent_requests_each_draft_on_their_own_slots_buffers(target_dir):
+    import threading
+
+    model = load_model(target_dir, draft=True, max_concurrent=3)
+    options = SpeculativeOptions(max_new_tokens=24, stop_token_ids=())
+    prompts = [_ids(12 + i, i) for i in range(6)]
+    serial = [plain_decode(model.decoder, p, options).tokens for p in prompts]
+    out: dict[int, object] = {}
+
+    def run(i: int) -> None:
+        spec = DrafterSpec("draft-model", max_draft_len=3) if i % 2 else "prompt-lookup+draft-model"
+        out[i] = model.generate(prompts[i], drafter=spec, options=options, draft_length=None)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [out[i].tokens for i in range(len(prompts))] == serial
+    assert all(out[i].counters.accepted_by_source.get("draft_model", 0) > 0 for i in range(len(prompts)))
+    assert all(slot.draft.kv_owner is slot.decoder for slot in model.slots._free)
+
+
+@pytest.mark.parametrize("drafter", ["draft-model", "prompt-lookup+draft-model"])
+def test_the_cli_generates_with_the_paired_draft(target_dir, drafter, capsys):
+    from ortspec.runtime.cli import main
+
+    argv = ["generate", "--model", str(target_dir), "--prompt", "a b a b a b", "--max-new-tokens", "12",
+            "--fixed-draft-len", "--drafter", drafter]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "[12 tokens" in err and "acceptance" in err and "(0/0)" not in err
+
+
+def test_the_bench_refuses_a_context_for_a_draft_on_its_targets_buffers(target_dir, tmp_path, capsys):
+    from ortspec.bench.cli import main
+
+    argv = ["--model", str(target_dir), "--per-category", "1", "--methods", "plain,draft-model:c16",
+            "--out", str(tmp_path / "out")]
+    assert main(argv) == 2
+    assert "reads the whole history" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # refused before anything ran or was written
+
+
+def test_a_draft_on_another_decoders_buffers_is_refused_with_a_message(target_dir):
+    model = load_model(target_dir, draft=True)
+    options = SpeculativeOptions(max_new_tokens=8, stop_token_ids=())
+    model.decoder.prefill(_ids(30))  # the draft's owner now holds another history
+    with pytest.raises(DrafterError, match="pass the drafter's name or a DrafterSpec"):
+        model.generate(_ids(12), drafter=model.make_drafter("draft-model"), options=options,
+                       draft_length=None)
+    with pytest.raises(InvalidOptionError, match="context applies to a draft with KV buffers"):
+        DraftModelDrafter(model.draft, context=8)
+    layers = load_model(target_dir, draft=target_dir / "drafts" / "layers1")
+    with pytest.raises(ManifestError, match="KV tensors 2 against 4"):
+        OrtDecoder.sharing_kv(layers.draft_sessions, model.decoder)
 
 
 # -- bad options: refused before anything is read or written ------------------------------------

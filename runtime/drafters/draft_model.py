@@ -19,6 +19,11 @@ reads changes only how good its proposals are: each token is still verified agai
 was drawn from, so the output distribution is the target's whatever W is. Example, W = 2,
 history [a b c d]: the draft's cache holds [c d] (positions 0, 1 of its own), the block is
 drafted from there; the next call feeds the tokens emitted since.
+
+A draft decoder that runs on its target's KV buffers (`OrtDecoder.sharing_kv`, what `Model`
+makes for a self-speculative draft of the same architecture) needs neither: each block starts
+from the target's own cache (`follow_owner`, which holds the history but its last token), feeds
+that last token and drafts on. No prompt is prefilled twice and nothing accepted is fed again.
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from ..errors import InvalidOptionError
+from ..errors import DrafterError, InvalidOptionError
 from ..history import TokenHistory
+from ..ort_decoder import OrtDecoder
 from ..protocols import Decoder, DraftLengthPolicy, DrafterBase
 from ..sampling import DraftBlock, DraftDist, check_sampling_options, sample_from, warp
 from ..validation import check_int
@@ -51,7 +57,8 @@ class DraftModelDrafter(DrafterBase):
     chance a drafted token is accepted before anything is learned (e.g. the top-1 agreement the
     export measured between draft and target); the draft-length policy starts from it.
     `context`: the most history tokens the draft is first fed (None: all; see the module
-    docstring). `fed_tokens` counts the tokens fed to the draft model (prefill included).
+    docstring). `fed_tokens` counts the tokens fed to the draft model (prefill included). A
+    decoder sharing its target's KV buffers drafts from the target's cache (module docstring).
     """
 
     def __init__(
@@ -69,6 +76,11 @@ class DraftModelDrafter(DrafterBase):
     ) -> None:
         check_int("max_draft_len", max_draft_len, minimum=0)
         check_int("context", context, minimum=1, allow_none=True)
+        # a draft on its target's KV buffers drafts from the target's cache: nothing to sync
+        self._follows = isinstance(decoder, OrtDecoder) and decoder.kv_owner is not None
+        if self._follows and context is not None:
+            raise InvalidOptionError("context applies to a draft with KV buffers of its own; this "
+                                     "one runs on its target's and reads the whole history")
         if context is not None and context >= decoder.capacity:
             raise InvalidOptionError(
                 f"context ({context}) must be below the draft model's capacity "
@@ -145,6 +157,21 @@ class DraftModelDrafter(DrafterBase):
         self._source, self._source_edits = history, history.edits if isinstance(history, TokenHistory) else -1
         return logits
 
+    def _follow(self, history: Sequence[int]) -> np.ndarray:  # -> [vocab] logits after history
+        """Start from the target's cache, which must hold the history but its last token (the
+        decode loop's state when it asks for a draft), and feed that token."""
+        n = self.decoder.follow_owner()
+        if n != len(history) - 1:
+            raise DrafterError(
+                f"this draft runs on the KV buffers of a target whose cache holds {n} tokens, but "
+                f"the history has {len(history)}: a drafter on a target's buffers serves that "
+                f"target's decode (Model.generate and stream make one per request; pass the "
+                f"drafter's name or a DrafterSpec)")
+        logits = self.decoder.forward_token(int(history[-1]))
+        self.steps += 1
+        self.fed_tokens += 1
+        return logits
+
     def _window_start(self, n: int) -> int:
         """Where the draft's cache starts for a history of n tokens, fed afresh."""
         return 0 if self.context is None else max(0, n - self.context)
@@ -163,7 +190,7 @@ class DraftModelDrafter(DrafterBase):
         if k <= 0 or not history:
             return DraftBlock.empty()
         t0 = time.perf_counter()
-        logits = self._sync(history, k)
+        logits = self._follow(history) if self._follows else self._sync(history, k)
         tokens: list[int] = []
         dists: list[DraftDist] = []
         for i in range(k):
@@ -180,6 +207,7 @@ class DraftModelDrafter(DrafterBase):
                 logits = self.decoder.forward_token(tok)
                 self.steps += 1
                 self.fed_tokens += 1
-                self._fed.append(tok)
+                if not self._follows:
+                    self._fed.append(tok)
         self.seconds += time.perf_counter() - t0
         return DraftBlock(tuple(tokens), tuple(dists), source=SOURCE, prior=self.prior)
