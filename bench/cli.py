@@ -28,7 +28,7 @@ from ortspec.runtime.machine import cpu_model
 from ortspec.runtime.validation import check_int
 
 from . import report
-from .runner import SPECULATIVE, BenchConfig, Method, run_pairs
+from .runner import SPECULATIVE, BenchConfig, Method, method_drafter, run_pairs
 from .workload import CATEGORIES, SPLITS, BenchPrompt, interleave_categories, load_questions
 
 ANCHORS = ("genai", "genai-int4", "hf")
@@ -163,11 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = model_arg(args.model)
         model = load_model(model_dir, providers=providers_arg(args.providers),
                            threads=args.threads, draft=(args.draft or True) if needs_draft else None)
-        windowed = [m.name for m in methods if m.draft_context]
-        if windowed and model.draft_shares_kv:
-            raise InvalidOptionError(
-                f"methods {windowed}: this draft runs on its target's KV buffers and reads the whole "
-                f"history; :cN applies to a draft with buffers of its own (--draft-layers N)")
+        for m in methods:  # every method's drafter and options, before anything runs
+            spec = method_drafter(m, ngram_size=args.ngram_size, max_draft_len=args.max_draft_len)
+            try:
+                model.check_drafter_spec(spec)
+            except InvalidOptionError as e:
+                raise InvalidOptionError(f"method {m.name!r}: {e}") from None
     except OrtspecError as e:
         print(f"ortspec bench: error: {e}", file=sys.stderr)
         return 2

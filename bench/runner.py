@@ -56,6 +56,14 @@ class Method:
         return cls(spec, m.group(1), k, context)
 
 
+def method_drafter(method: Method, *, ngram_size: int, max_draft_len: int) -> DrafterSpec:
+    """The drafter a method decodes with, made on each request's slot (a draft decoder runs on
+    its slot's KV buffers): its fixed draft length or `max_draft_len`, its draft context."""
+    context = {} if method.draft_context is None else {"draft_context": method.draft_context or None}
+    return DrafterSpec(method.drafter, ngram_size=ngram_size,
+                       max_draft_len=method.fixed_k or max_draft_len, **context)
+
+
 @dataclasses.dataclass
 class BenchConfig:
     max_new_tokens: int = 128
@@ -138,10 +146,7 @@ def run_pairs(
             by_method: dict[str, dict[str, Any]] = {}
             for m in seq:
                 k = m.fixed_k or config.max_draft_len
-                context = {} if m.draft_context is None else {"draft_context": m.draft_context or None}
-                # made on the request's slot (a draft decoder runs on its slot's KV buffers)
-                drafter = DrafterSpec(m.drafter, ngram_size=config.ngram_size, max_draft_len=k,
-                                      **context)
+                drafter = method_drafter(m, ngram_size=config.ngram_size, max_draft_len=config.max_draft_len)
                 options = SpeculativeOptions(
                     config.max_new_tokens, temperature=config.temperature,
                     seed=config.seed * 1_000_003 + prompt.question_id * 101 + rep,

@@ -89,14 +89,16 @@ def step_cost_ratio(a: Decoder, b: Decoder, *, context: int = 128, repeats: int 
     rng = np.random.default_rng(seed)
     context = max(1, min(context, a.capacity - 1, b.capacity - 1))
     prompt = rng.integers(0, min(a.vocab_size, b.vocab_size), size=context).tolist()
-    for d in (a, b):
-        d.reset()
+    a.reset()
+    b.reset()
+    for d in (a, b):  # a first: a draft on b's buffers writes nowhere below b's length
         d.prefill(prompt)
     ratios = []
     for rep in range(repeats + 1):
         t = []
         for d in (a, b) if rep % 2 else (b, a):
-            d.truncate(context)
+            a.truncate(context)  # both: a draft on b's buffers may not write below b's length
+            b.truncate(context)
             t0 = time.perf_counter()
             d.forward_token(prompt[rep % context])
             t.append(time.perf_counter() - t0)

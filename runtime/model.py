@@ -39,13 +39,14 @@ from .draft_length import AdaptiveDraftLength, BatchCosts
 from .drafters import DRAFTER_NAMES, NEEDS_DRAFT_MODEL
 from .drafters.composite import CostAwareDrafter
 from .drafters.draft_model import DEFAULT_DRAFT_CONTEXT, DraftModelDrafter
-from .drafters.prompt_lookup import PromptLookupSpeculator
+from .drafters.prompt_lookup import PromptLookupSpeculator, check_lookup_sizes
 from .drafters.ngram_counts import NgramCountsDrafter
 from .drafters.target_cache import TargetCacheDrafter
 from .errors import InvalidOptionError, InvalidPromptError
 from .ort_decoder import OrtDecoder, kv_compatible
 from .protocols import DraftLengthPolicy, Drafter
 from .sessions import OrtSessions
+from .validation import check_int
 from .slots import DecodeSlot, SlotPool, WhenBusy
 
 DEFAULT_MAX_CONCURRENT = 4  # decode slots a model makes at most unless told otherwise
@@ -115,22 +116,40 @@ class Model:
 
     @property
     def draft(self) -> OrtDecoder | None:
-        """A draft decoder of the caller's own (None without a draft model), to pair with
-        `decoder`: when the draft can run on the target's KV buffers it runs on `decoder`'s."""
+        """A draft decoder of the caller's own (None without a draft model), with KV buffers of
+        its own: a drafter made on it serves any target. (A request's slot pairs its draft with
+        its target's buffers instead; `OrtDecoder.sharing_kv` does it by hand.)"""
         if self.draft_sessions is None:
             return None
-        target = self.decoder
         with self._lock:
             if self._draft is None:
-                self._draft = self._draft_for(target)
+                self._draft = OrtDecoder.on(self.draft_sessions)
             return self._draft
 
     @property
     def draft_shares_kv(self) -> bool:
-        """The draft runs on its target's KV buffers (`OrtDecoder.sharing_kv`): same KV layout,
-        and the target is not a row of a batch."""
+        """A request's draft runs on its slot target's KV buffers (`OrtDecoder.sharing_kv`):
+        same KV layout, and the target is not a row of a batch."""
         return (self.draft_sessions is not None and self.runner is None
                 and kv_compatible(self.draft_sessions, self.sessions) is None)
+
+    def check_drafter_spec(self, spec: DrafterSpec) -> None:
+        """InvalidOptionError unless `spec` names a drafter this model can make with those
+        options; `generate` and `stream` check it before decoding (the drafter is made on the
+        request's slot)."""
+        self._check_drafter_name(spec.name)
+        check_lookup_sizes(spec.ngram_size, 1, spec.max_draft_len)
+        if spec.draft_context is None or spec.name not in NEEDS_DRAFT_MODEL:
+            return
+        check_int("draft_context", spec.draft_context, minimum=1)
+        assert self.draft_sessions is not None  # _check_drafter_name saw the draft
+        if self.draft_shares_kv:
+            raise InvalidOptionError(
+                "draft_context applies to a draft with KV buffers of its own; this model's draft "
+                "runs on its target's and reads the whole history")
+        if spec.draft_context >= self.draft_sessions.capacity:
+            raise InvalidOptionError(f"draft_context ({spec.draft_context}) must be below the draft "
+                                     f"model's capacity ({self.draft_sessions.capacity} tokens)")
 
     def _draft_for(self, target: OrtDecoder | Any) -> OrtDecoder:
         assert self.draft_sessions is not None
@@ -271,8 +290,10 @@ class Model:
 
     def _check_request(self, drafter: Any, draft_length: Any) -> None:
         """What a request can get wrong, checked when it is made, before any decoding."""
-        if isinstance(drafter, (str, DrafterSpec)):
-            self._check_drafter_name(drafter if isinstance(drafter, str) else drafter.name)
+        if isinstance(drafter, str):
+            self._check_drafter_name(drafter)
+        if isinstance(drafter, DrafterSpec):
+            self.check_drafter_spec(drafter)
         if isinstance(draft_length, str) and draft_length != "auto":
             raise InvalidOptionError(
                 f"draft_length must be 'auto' (the cost model), None (always verify the whole "
@@ -311,8 +332,8 @@ class Model:
     ) -> SpeculativeDecodeResult:
         """Decode `prompt` (text, or token ids) with `drafter` (a name from DRAFTER_NAMES, a
         `DrafterSpec`, a drafter object, or None: plain decoding). A name or a spec makes the
-        drafter on the request's own slot, whose draft decoder runs on the slot's KV buffers;
-        a draft-model drafter object built on `model.draft` serves `model.decoder` only.
+        drafter on the request's own slot, whose draft decoder runs on the slot's KV buffers
+        (`draft_shares_kv`); a drafter object built on `model.draft` has buffers of its own.
 
         `options.stop_token_ids` defaults to the model's; `result.text` holds the decoded text.
         `draft_length`: "auto" (default) lets the model's cost-model policy pick how many drafted

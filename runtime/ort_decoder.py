@@ -218,6 +218,12 @@ class OrtDecoder:
     def _run(self, entry: str, ids: np.ndarray, *, copy: bool = True,
              last_only: bool = False) -> np.ndarray:
         """Append `ids`; the logits after each ([n, vocab]), or after the last ([1, vocab])."""
+        owner = self.kv_owner
+        if owner is not None and self._length < owner.length:
+            raise InvalidOptionError(
+                f"this decoder runs on the KV buffers of {owner!r}: writing at position "
+                f"{self._length} would overwrite that decoder's cache (it holds {owner.length} "
+                f"tokens); call follow_owner() first, or reset the owner")
         n = ids.size
         total = self._length + n
         rows = call_width(1, n, self.min_call_rows)  # S: n, or n padded with its last token

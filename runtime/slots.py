@@ -1,7 +1,8 @@
 """`SlotPool`: the bounded pool of per-request decode state a loaded model hands out.
 
-A slot is one request's KV state: a target `OrtDecoder` (and a draft one when the model has a
-draft), each with its own KV buffers over the model's shared sessions. Slots are made on first
+A slot is one request's KV state: a target `OrtDecoder` with its own KV buffers over the
+model's shared sessions, and a draft one when the model has a draft (on the target's buffers
+when the two share a layout, `Model.draft_shares_kv`; else on its own). Slots are made on first
 need, up to `max_slots`, and reused afterwards, so a model that serves one request at a time
 holds one. A request that finds every slot taken waits for one (`when_busy="wait"`, optionally
 for at most `timeout` seconds) or is refused at once (`when_busy="error"`) with ModelBusyError.

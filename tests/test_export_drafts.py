@@ -330,14 +330,17 @@ def test_a_draft_of_the_targets_layout_runs_on_its_kv_buffers(target_dir, draft_
     own and prefills. Greedy output is plain decoding's either way."""
     model = load_model(target_dir, draft=target_dir / "drafts" / draft_name)
     assert model.draft_shares_kv is shares
-    assert (model.draft.kv_owner is model.decoder) is shares
+    assert model.draft.kv_owner is None  # the caller's own draft keeps buffers of its own
+    with model.slots.slot() as slot:  # a request's draft runs on its target's
+        assert (slot.draft.kv_owner is slot.decoder) is shares
     own_kv = model.draft_sessions.kv_bytes_per_decoder
     assert model.slot_bytes == (model.sessions.kv_bytes_per_decoder + model.sessions.logits_bytes_per_decoder
                                 + model.draft_sessions.logits_bytes_per_decoder + (0 if shares else own_kv))
     options = SpeculativeOptions(max_new_tokens=30, stop_token_ids=())
     prompt = _ids(20, 3)
     plain = plain_decode(model.decoder, prompt, options)
-    drafter = DraftModelDrafter(model.draft, max_draft_len=4)
+    draft = OrtDecoder.sharing_kv(model.draft_sessions, model.decoder) if shares else model.draft
+    drafter = DraftModelDrafter(draft, max_draft_len=4)
     spec = speculative_decode_with(model.decoder, prompt, drafter, options)
     assert spec.tokens == plain.tokens
     c = spec.counters
@@ -395,12 +398,27 @@ def test_the_bench_refuses_a_context_for_a_draft_on_its_targets_buffers(target_d
 def test_a_draft_on_another_decoders_buffers_is_refused_with_a_message(target_dir):
     model = load_model(target_dir, draft=True)
     options = SpeculativeOptions(max_new_tokens=8, stop_token_ids=())
+    follower = OrtDecoder.sharing_kv(model.draft_sessions, model.decoder)
     model.decoder.prefill(_ids(30))  # the draft's owner now holds another history
     with pytest.raises(DrafterError, match="pass the drafter's name or a DrafterSpec"):
-        model.generate(_ids(12), drafter=model.make_drafter("draft-model"), options=options,
+        model.generate(_ids(12), drafter=DraftModelDrafter(follower), options=options,
                        draft_length=None)
+    # a decoder on another's buffers never writes below that one's length
+    follower.reset()
+    with pytest.raises(InvalidOptionError, match="would overwrite that decoder's cache"):
+        follower.forward_token(1)
+    assert follower.follow_owner() == 30
+    follower.forward_token(1)  # past the owner's length: allowed
     with pytest.raises(InvalidOptionError, match="context applies to a draft with KV buffers"):
-        DraftModelDrafter(model.draft, context=8)
+        DraftModelDrafter(follower, context=8)
+    # a spec's options are checked when the request is made, before any decoding
+    with pytest.raises(InvalidOptionError, match="draft_context applies to a draft with KV buffers"):
+        model.stream(_ids(12), drafter=DrafterSpec("draft-model", draft_context=8), options=options)
+    with pytest.raises(InvalidOptionError, match="max_draft_len"):
+        model.stream(_ids(12), drafter=DrafterSpec("draft-model", max_draft_len=-1), options=options)
+    # a drafter made on the model's own draft serves any decode
+    assert model.generate(_ids(12), drafter=model.make_drafter("draft-model"), options=options,
+                          draft_length=None).tokens == plain_decode(model.decoder, _ids(12), options).tokens
     layers = load_model(target_dir, draft=target_dir / "drafts" / "layers1")
     with pytest.raises(ManifestError, match="KV tensors 2 against 4"):
         OrtDecoder.sharing_kv(layers.draft_sessions, model.decoder)
