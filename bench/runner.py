@@ -145,12 +145,11 @@ def run_pairs(
             plain_tokens: list[int] | None = None
             by_method: dict[str, dict[str, Any]] = {}
             for m in seq:
-                k = m.fixed_k or config.max_draft_len
                 drafter = method_drafter(m, ngram_size=config.ngram_size, max_draft_len=config.max_draft_len)
                 options = SpeculativeOptions(
                     config.max_new_tokens, temperature=config.temperature,
                     seed=config.seed * 1_000_003 + prompt.question_id * 101 + rep,
-                    stop_token_ids=model.manifest.stop_token_ids, max_draft_len=k,
+                    stop_token_ids=model.manifest.stop_token_ids, max_draft_len=drafter.max_draft_len,
                 )
                 result = model.generate(ids, drafter=drafter, options=options, draft_length=policies[m.name])
                 by_method[m.name] = _record(prompt, m, rep, len(ids), result)

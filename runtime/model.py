@@ -38,7 +38,7 @@ from .decode import (
 from .draft_length import AdaptiveDraftLength, BatchCosts
 from .drafters import DRAFTER_NAMES, NEEDS_DRAFT_MODEL
 from .drafters.composite import CostAwareDrafter
-from .drafters.draft_model import DEFAULT_DRAFT_CONTEXT, DraftModelDrafter
+from .drafters.draft_model import DEFAULT_DRAFT_CONTEXT, DraftModelDrafter, check_draft_context
 from .drafters.prompt_lookup import PromptLookupSpeculator, check_lookup_sizes
 from .drafters.ngram_counts import NgramCountsDrafter
 from .drafters.target_cache import TargetCacheDrafter
@@ -46,7 +46,6 @@ from .errors import InvalidOptionError, InvalidPromptError
 from .ort_decoder import OrtDecoder, kv_compatible
 from .protocols import DraftLengthPolicy, Drafter
 from .sessions import OrtSessions
-from .validation import check_int
 from .slots import DecodeSlot, SlotPool, WhenBusy
 
 DEFAULT_MAX_CONCURRENT = 4  # decode slots a model makes at most unless told otherwise
@@ -139,17 +138,10 @@ class Model:
         request's slot)."""
         self._check_drafter_name(spec.name)
         check_lookup_sizes(spec.ngram_size, 1, spec.max_draft_len)
-        if spec.draft_context is None or spec.name not in NEEDS_DRAFT_MODEL:
-            return
-        check_int("draft_context", spec.draft_context, minimum=1)
-        assert self.draft_sessions is not None  # _check_drafter_name saw the draft
-        if self.draft_shares_kv:
-            raise InvalidOptionError(
-                "draft_context applies to a draft with KV buffers of its own; this model's draft "
-                "runs on its target's and reads the whole history")
-        if spec.draft_context >= self.draft_sessions.capacity:
-            raise InvalidOptionError(f"draft_context ({spec.draft_context}) must be below the draft "
-                                     f"model's capacity ({self.draft_sessions.capacity} tokens)")
+        if spec.name in NEEDS_DRAFT_MODEL:
+            assert self.draft_sessions is not None  # _check_drafter_name saw the draft
+            check_draft_context(spec.draft_context, capacity=self.draft_sessions.capacity,
+                                follows=self.draft_shares_kv, name="draft_context")
 
     def _draft_for(self, target: OrtDecoder | Any) -> OrtDecoder:
         assert self.draft_sessions is not None

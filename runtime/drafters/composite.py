@@ -80,13 +80,9 @@ class CostAwareDrafter:
     def propose(self, history: Sequence[int], max_tokens: int) -> DraftBlock:
         block = self.free.propose(history, max_tokens)
         policy = self._policy
-        if len(block) and policy is not None:
-            free_rate = policy.rate(len(block), key=AcceptanceModel.key(block), prior=block.prior,
-                                    paid=False)
-            if free_rate >= self.paid.rate(policy, history, max_tokens):
-                self.chosen["free"] += 1
-                return block
-        elif len(block):
+        if len(block) and (policy is None or policy.rate(
+                len(block), key=AcceptanceModel.key(block), prior=block.prior, paid=False)
+                >= self.paid.rate(policy, history, max_tokens)):
             self.chosen["free"] += 1
             return block
         self.chosen["paid"] += 1

@@ -48,6 +48,22 @@ KEY = (SOURCE, 0)  # the draft-length policy's key of these drafts
 DEFAULT_DRAFT_CONTEXT: int | None = None  # Model.make_drafter's context for its draft model
 
 
+def check_draft_context(context: object, *, capacity: int, follows: bool, name: str = "context") -> None:
+    """InvalidOptionError unless `context` suits a draft model of `capacity` tokens: None, or an
+    integer 1 <= context < capacity for a draft with KV buffers of its own; a draft on its
+    target's buffers (`follows`) reads the whole history, so None only."""
+    check_int(name, context, minimum=1, allow_none=True)
+    if context is None:
+        return
+    if follows:
+        raise InvalidOptionError(f"{name} applies to a draft with KV buffers of its own; this draft "
+                                 f"runs on its target's and reads the whole history")
+    if context >= capacity:  # type: ignore[operator]
+        raise InvalidOptionError(
+            f"{name} ({context}) must be below the draft model's capacity ({capacity} tokens), "
+            f"or None to feed the draft the whole history")
+
+
 class DraftModelDrafter(DrafterBase):
     """Autoregressive drafts from `decoder`, its KV cache kept in step with the history.
 
@@ -75,16 +91,9 @@ class DraftModelDrafter(DrafterBase):
         context: int | None = None,
     ) -> None:
         check_int("max_draft_len", max_draft_len, minimum=0)
-        check_int("context", context, minimum=1, allow_none=True)
         # a draft on its target's KV buffers drafts from the target's cache: nothing to sync
         self._follows = isinstance(decoder, OrtDecoder) and decoder.kv_owner is not None
-        if self._follows and context is not None:
-            raise InvalidOptionError("context applies to a draft with KV buffers of its own; this "
-                                     "one runs on its target's and reads the whole history")
-        if context is not None and context >= decoder.capacity:
-            raise InvalidOptionError(
-                f"context ({context}) must be below the draft model's capacity "
-                f"({decoder.capacity} tokens), or None to feed the draft the whole history")
+        check_draft_context(context, capacity=decoder.capacity, follows=self._follows)
         check_sampling_options(0.0 if temperature is None else temperature, top_k, top_p)
         if target is not None and target.vocab_size != decoder.vocab_size:
             raise InvalidOptionError(
