@@ -1,6 +1,6 @@
-"""The two ways the decoder graph attends over its fixed-capacity KV buffers.
+"""The three ways the decoder graph attends over its fixed-capacity KV buffers.
 
-Both read the same graph inputs (the mask's width is past + S) and write the new keys and
+All read the same graph inputs (the mask's width is past + S) and write the new keys and
 values into `present.{i}.*` at positions past..past+S-1, in place when the runtime binds one
 buffer as past and present.
 
@@ -10,6 +10,10 @@ buffer as past and present.
   `RotaryEmbedding` with explicit positions, `TensorScatter` to write the new keys/values into
   the cache, and `Attention` over the whole cache with a boolean mask that hides positions
   beyond each query's own (and `nonpad_kv_seqlen` = the valid length).
+- "window" (the batched CPU graph: B rows, each its own past): as "standard" for the rotary and
+  the cache writes, then per KV head two MatMuls (scores, then probabilities times values)
+  over the first W cache slots only, W the longest row's past + S, for all of the head's
+  group of query heads at once.
 """
 
 from __future__ import annotations
@@ -203,37 +207,90 @@ def _window_preamble(b: GraphBuilder) -> dict[str, str]:
     """As the standard preamble, but the mask covers the first W key slots only, W the mask's
     width (the longest row's past + S): attention reads [B, kv_heads, W, hd], not the capacity.
 
-    ONNX Runtime's CPU `Attention` computes a single query (S = 1) on another path than two or
-    more, differing in the last bits; a query's result is otherwise bitwise independent of the
-    other queries of its call. So at S = 1 the attention runs on two: the query and a copy of
-    it (Pad, edge mode), with the mask row copied alike, and the copy's output is dropped."""
-    g = b.g
+    The attention is two MatMuls per KV head over the queries of its whole group, G = heads /
+    kv_heads of them per token, so a call multiplies S * G query rows by each head's keys.
+    ONNX Runtime's float MatMul computes a single row (M = 1, alpha 1) on a GEMV path that
+    rounds differently from several; from two rows on a row's result is bitwise independent
+    of the other rows and of the keys past its own position (their probabilities are exact
+    zeros). With G >= 2 a one-token call thus needs no padding; with G = 1 (one query head a
+    KV head) the attention runs a lone query on two copies of it (Pad, edge mode), the mask
+    row copied alike, and drops the copy's output.
+
+    "mask_rows" is the causal mask as the grouped rows see it: [B, 1, S' * G, W]."""
+    g, spec = b.g, b.spec
     width = g.op1("Shape", [mf.ATTENTION_MASK], start=1, end=2)  # [1]: W
     zero = g.const("zero_i64", np.array(0, np.int64))
     one = g.const("one_i64", np.array(1, np.int64))
     axis0 = g.const("axes_0", np.array([0], np.int64))
     slots = g.op1("Range", [zero, g.op1("Squeeze", [width, axis0]), one])  # [W]
-    return {**_row_preamble(b, slots, pad_lone_query=True), "width": width}
+    group = spec.num_heads // spec.num_kv_heads
+    ctx = {**_row_preamble(b, slots, pad_lone_query=group == 1), "width": width}
+    ctx["mask_rows"] = _mask_rows(b, ctx["mask"], width)
+    return ctx
+
+
+def _group_rows(b: GraphBuilder, q: str, ctx: dict[str, str]) -> str:
+    """[B, S, heads * hd] -> [B, kv_heads, S' * G, hd], row s * G + j of KV head h being query
+    head h * G + j at token s (S' = S, or 2 for a lone token when G = 1)."""
+    g, spec = b.g, b.spec
+    group = spec.num_heads // spec.num_kv_heads
+    if group == 1:
+        return g.op1("Pad", [_heads_first(b, q, spec.num_heads), ctx["q_pads"]], mode="edge")
+    hd, kv = spec.head_dim, spec.num_kv_heads
+    split = g.const("shape_q_groups", np.array([0, 0, kv, group, hd], np.int64))
+    grouped = g.op1("Transpose", [g.op1("Reshape", [q, split])], perm=[0, 2, 1, 3, 4])
+    return g.op1("Reshape", [grouped, g.const("shape_q_rows", np.array([0, kv, -1, hd], np.int64))])
 
 
 def _window_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) -> str:
     g, spec = b.g, b.spec
-    q_dim = spec.num_heads * spec.head_dim
+    q_dim, hd, kv = spec.num_heads * spec.head_dim, spec.head_dim, spec.num_kv_heads
+    group = spec.num_heads // kv
     q, key, value = _rotate_and_store(b, i, qkv, ctx)
     zero = g.const("axes_0_start", np.array([0], np.int64))
     axis2 = g.const("axes_2", np.array([2], np.int64))
     key_w = g.op1("Slice", [key, zero, ctx["width"], axis2])  # [B, kv_heads, W, hd]
     value_w = g.op1("Slice", [value, zero, ctx["width"], axis2])
+    rows = g.op1("Mul", [_group_rows(b, q, ctx), g.const(
+        "attn_scale", np.array(spec.attention_scale, np.float32))])  # [B, kv, S'G, hd]
+    scores = g.op1("MatMul", [rows, g.op1("Transpose", [key_w], perm=[0, 1, 3, 2])])
+    if spec.attn_softcap:  # [B, kv, S'G, W]
+        cap = g.const(f"softcap_{i}", np.array(spec.attn_softcap, np.float32))
+        scores = g.op1("Mul", [g.op1("Tanh", [g.op1("Div", [scores, cap])]), cap])
     window = spec.window(i)
-    mask = _window_mask(b, window, ctx) if window else ctx["mask"]
-    queries = g.op1("Pad", [_heads_first(b, q, spec.num_heads), ctx["q_pads"]],
-                    mode="edge")  # [B, heads, S', hd]
-    y = g.op1("Attention", [queries, key_w, value_w, mask],
-              scale=float(spec.attention_scale), is_causal=0,
-              **({"softcap": float(spec.attn_softcap)} if spec.attn_softcap else {}))
-    y = g.op1("Slice", [y, zero, ctx["seq"], axis2])  # [B, heads, S, hd]: the padding dropped
+    mask = _window_rows_mask(b, window, ctx) if window else ctx["mask_rows"]
+    hidden = g.const("masked_score", np.array(np.finfo(np.float32).min, np.float32))
+    probs = g.op1("Softmax", [g.op1("Where", [mask, scores, hidden])], axis=-1)
+    y = g.op1("MatMul", [probs, value_w])  # [B, kv, S'G, hd]
+    if group == 1:
+        y = g.op1("Slice", [y, zero, ctx["seq"], axis2])  # [B, heads, S, hd]: the copy dropped
+        y = g.op1("Transpose", [y], perm=[0, 2, 1, 3])
+    else:
+        y = g.op1("Reshape", [y, g.const("shape_y_groups", np.array([0, kv, -1, group, hd],
+                                                                     np.int64))])
+        y = g.op1("Transpose", [y], perm=[0, 2, 1, 3, 4])  # [B, S, kv, G, hd]
     flat = g.const("shape_rows_attn", np.array([0, -1, q_dim], np.int64))
-    return g.op1("Reshape", [g.op1("Transpose", [y], perm=[0, 2, 1, 3]), flat])  # [B, S, q_dim]
+    return g.op1("Reshape", [y, flat])  # [B, S, q_dim]
+
+
+def _mask_rows(b: GraphBuilder, mask: str, width: str) -> str:
+    """A mask [B, 1, S', W] as the grouped queries see it: [B, 1, S' * G, W], row s * G + j
+    being token s's (every query head of a group sees the same keys)."""
+    g = b.g
+    group = b.spec.num_heads // b.spec.num_kv_heads
+    mask5 = g.op1("Unsqueeze", [mask, g.const("axes_3", np.array([3], np.int64))])
+    expand = g.const(f"expand_group_{group}", np.array([1, 1, 1, group, 1], np.int64))
+    flat = g.op1("Concat", [g.const("shape_mask_rows", np.array([0, 1, -1], np.int64)), width],
+                 axis=0)  # [B, 1, S' * G, W]
+    return g.op1("Reshape", [g.op1("Expand", [mask5, expand]), flat])
+
+
+def _window_rows_mask(b: GraphBuilder, window: int, ctx: dict[str, str]) -> str:
+    """The grouped rows' mask narrowed to a sliding window (see `_window_mask`)."""
+    name = f"mask_rows_window_{window}"
+    if name not in ctx:
+        ctx[name] = _mask_rows(b, _window_mask(b, window, ctx), ctx["width"])
+    return ctx[name]
 
 
 FLAVOURS = {

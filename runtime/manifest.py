@@ -125,8 +125,8 @@ class Manifest:
     # by the next call), because onnxruntime's CPU kernels compute one row differently from the
     # same row among several (see runtime/row_invariance.py); the usable capacity is then one
     # token less. A batched call of one token a row over B >= 2 rows needs no padding
-    # (graph_io.call_width): its MatMuls see B rows, and the window graph runs a lone query's
-    # attention on two copies of it
+    # (graph_io.call_width): its MatMuls see B rows, and the window graph's attention multiplies
+    # a token's whole group of query heads at once
     min_call_rows: int = 1
     # the most requests one call may carry: the window-attention graph takes B rows, each with
     # its own valid length; 1 for the rest

@@ -60,6 +60,13 @@ def llama3(directory):
     return _build(directory, LlamaForCausalLM, config)
 
 
+def llama_mha(directory):
+    """Llama with one query head a KV head (G = 1): the window graph runs a lone query twice."""
+    config = LlamaConfig(**COMMON, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=4, tie_word_embeddings=True)
+    return _build(directory, LlamaForCausalLM, config)
+
+
 def qwen25(directory, *, tied):
     """Qwen2.5: q/k/v biases, theta 1e6, tied (0.5B-3B) or untied (7B+) head."""
     config = Qwen2Config(**COMMON, num_hidden_layers=2, num_attention_heads=4,
@@ -138,7 +145,8 @@ def gemma3(directory):
     return _build(directory, Gemma3ForCausalLM, config, seed=7)
 
 
-FAMILIES = {"llama3": llama3, "qwen2.5-tied": lambda d: qwen25(d, tied=True),
+FAMILIES = {"llama3": llama3, "llama-mha": llama_mha,
+            "qwen2.5-tied": lambda d: qwen25(d, tied=True),
             "qwen2.5-untied": lambda d: qwen25(d, tied=False), "qwen3": qwen3,
             "mistral-sliding": mistral, "smollm3": smollm3, "phi3": phi3, "gemma2": gemma2,
             "gemma3": gemma3}
