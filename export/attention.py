@@ -23,18 +23,22 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from onnx import TensorProto
+from onnx import TensorProto, numpy_helper
 
 from ortspec.runtime import manifest as mf
 
 from .builder import GraphBuilder
-from .graph_spec import MS
+from .graph_spec import MS, NUMPY_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
 class Flavour:
     preamble: Callable[[GraphBuilder], dict[str, str]]  # graph-wide tensors the layers share
-    attention: Callable[[GraphBuilder, int, str, dict[str, str]], str]  # -> [1, S, heads * hd]
+    # (builder, layer, qkv, preamble) -> [B, S, heads * hd], or [M, heads * hd] when packed
+    attention: Callable[[GraphBuilder, int, str, dict[str, str]], str]
+    # the layers run on the M positions `token_rows` names ([M, hidden], see `pack_tokens`);
+    # only the attention sees the [B, S] grid
+    packed: bool = False
 
 
 # -- GroupQueryAttention ------------------------------------------------------------------------
@@ -226,7 +230,34 @@ def _window_preamble(b: GraphBuilder) -> dict[str, str]:
     group = spec.num_heads // spec.num_kv_heads
     ctx = {**_row_preamble(b, slots, pad_lone_query=group == 1), "width": width}
     ctx["mask_rows"] = _mask_rows(b, ctx["mask"], width)
+    qkv_dim = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+    ctx["grid_qkv_shape"] = g.op1("Concat", [g.op1("Shape", [mf.INPUT_IDS]), g.const(
+        f"width_{qkv_dim}", np.array([qkv_dim], np.int64))], axis=0)  # [3]: B, S, qkv width
     return ctx
+
+
+def pack_tokens(b: GraphBuilder, ctx: dict[str, str]) -> str:
+    """The packed graph's token ids: input_ids [B, S] at the flat positions `token_rows`
+    names, [M]. Also records in ctx what `to_grid` needs."""
+    g = b.g
+    axis_last = g.const("axes_last", np.array([-1], np.int64))
+    ctx["token_index"] = g.op1("Unsqueeze", [mf.TOKEN_ROWS, axis_last])  # [M, 1]
+    flat = g.op1("Reshape", [mf.INPUT_IDS, g.const("shape_flat", np.array([-1], np.int64))])
+    ctx["grid_rows"] = g.op1("Shape", [flat])  # [1]: B * S
+    return g.op1("Gather", [flat, mf.TOKEN_ROWS], axis=0)  # [M]
+
+
+def to_grid(b: GraphBuilder, x: str, width: int, ctx: dict[str, str]) -> str:
+    """Packed rows x [M, width] back on the call's grid: [B * S, width], zeros at the
+    positions `token_rows` leaves out (padding, rows riding along)."""
+    g = b.g
+    name = f"grid_zeros_{width}"
+    if name not in ctx:  # made once: ScatterND writes its result elsewhere
+        shape = g.op1("Concat", [ctx["grid_rows"], g.const(f"width_{width}", np.array(
+            [width], np.int64))], axis=0)
+        zero = np.zeros(1, NUMPY_DTYPES[b.options.dtype])
+        ctx[name] = g.op1("ConstantOfShape", [shape], value=numpy_helper.from_array(zero))
+    return g.op1("ScatterND", [ctx[name], ctx["token_index"], x])
 
 
 def _group_rows(b: GraphBuilder, q: str, ctx: dict[str, str]) -> str:
@@ -243,10 +274,15 @@ def _group_rows(b: GraphBuilder, q: str, ctx: dict[str, str]) -> str:
 
 
 def _window_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) -> str:
+    """qkv [M, (heads + 2 kv_heads) * hd], the packed rows -> [M, heads * hd]. The grid's
+    other positions attend with zero queries, keys and values, written past their rows' valid
+    lengths, and their outputs are dropped."""
     g, spec = b.g, b.spec
     q_dim, hd, kv = spec.num_heads * spec.head_dim, spec.head_dim, spec.num_kv_heads
     group = spec.num_heads // kv
-    q, key, value = _rotate_and_store(b, i, qkv, ctx)
+    qkv_dim = q_dim + 2 * kv * hd
+    grid = g.op1("Reshape", [to_grid(b, qkv, qkv_dim, ctx), ctx["grid_qkv_shape"]])
+    q, key, value = _rotate_and_store(b, i, grid, ctx)
     zero = g.const("axes_0_start", np.array([0], np.int64))
     axis2 = g.const("axes_2", np.array([2], np.int64))
     key_w = g.op1("Slice", [key, zero, ctx["width"], axis2])  # [B, kv_heads, W, hd]
@@ -269,8 +305,8 @@ def _window_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) ->
         y = g.op1("Reshape", [y, g.const("shape_y_groups", np.array([0, kv, -1, group, hd],
                                                                      np.int64))])
         y = g.op1("Transpose", [y], perm=[0, 2, 1, 3, 4])  # [B, S, kv, G, hd]
-    flat = g.const("shape_rows_attn", np.array([0, -1, q_dim], np.int64))
-    return g.op1("Reshape", [y, flat])  # [B, S, q_dim]
+    flat = g.const("shape_rows_attn_flat", np.array([-1, q_dim], np.int64))
+    return g.op1("Gather", [g.op1("Reshape", [y, flat]), mf.TOKEN_ROWS], axis=0)  # [M, q_dim]
 
 
 def _mask_rows(b: GraphBuilder, mask: str, width: str) -> str:
@@ -296,5 +332,5 @@ def _window_rows_mask(b: GraphBuilder, window: int, ctx: dict[str, str]) -> str:
 FLAVOURS = {
     "gqa": Flavour(preamble=_gqa_preamble, attention=_gqa_attention),
     "standard": Flavour(preamble=_standard_preamble, attention=_standard_attention),
-    "window": Flavour(preamble=_window_preamble, attention=_window_attention),
+    "window": Flavour(preamble=_window_preamble, attention=_window_attention, packed=True),
 }

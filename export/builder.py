@@ -86,15 +86,16 @@ class GraphBuilder:
             y = self.g.op1("Add", [y, self.add_tensor(name + "_bias", np.concatenate(rows))])
         return y
 
-    def embedding(self) -> str:
-        """input_ids -> [1, S, hidden]: a Gather from the float table, or, when the quantized
+    def embedding(self, ids: str = mf.INPUT_IDS) -> str:
+        """ids (input_ids [B, S], or the packed graph's [M]) -> [*ids.shape, hidden]: a Gather
+        from the float table, or, when the quantized
         LM head can share its bytes (WeightQuant.embed_shares_head), a GatherBlockQuantized
         from the head's 8-bit table: stored once, and for a Q8_0 GGUF table exactly the
         target's embedding."""
         spec, q = self.spec, self.options.quant
         if not (q is not None and q.embed_shares_head and spec.tied_embeddings
                 and self._head_quantizable()):
-            return self.g.op1("Gather", [self.weight("embed"), mf.INPUT_IDS])
+            return self.g.op1("Gather", [self.weight("embed"), ids])
         self._head = self.add_quantized("lm_head", np.asarray(self._get("embed"), np.float32),
                                         bits=8, scheme="symmetric")
         packed, scales = self._head.inputs[:2]  # [vocab, n_blocks, block], [vocab * n_blocks]
@@ -103,7 +104,7 @@ class GraphBuilder:
             alias(self._init(scales), "embed.scales",
                   dims=[spec.vocab_size, spec.hidden_size // q.block_size])]
         self.quantized.append("embed")
-        return self.g.op1("GatherBlockQuantized", ["embed.q", mf.INPUT_IDS, "embed.scales"],
+        return self.g.op1("GatherBlockQuantized", ["embed.q", ids, "embed.scales"],
                           domain=MS, bits=8, block_size=q.block_size, gather_axis=0,
                           quantize_axis=1)
 

@@ -42,7 +42,7 @@ from onnx import TensorProto, helper
 
 from ortspec.runtime import manifest as mf
 
-from .attention import FLAVOURS
+from .attention import FLAVOURS, pack_tokens, to_grid
 from .builder import GetWeight, GraphBuilder
 from .graph_spec import MS, NUMPY_DTYPES, DecoderSpec, GraphOptions, check_opset
 from .onnx_writer import ExternalDataWriter, NodeList
@@ -91,7 +91,8 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
             b.add_tensor("rope_cos_local", local_rope[0])
             b.add_tensor("rope_sin_local", local_rope[1])
         context = flavour.preamble(b)
-        x = b.embedding()  # [1, S, hidden]
+        # [B, S, hidden], or packed: [M, hidden], the positions token_rows names
+        x = b.embedding(pack_tokens(b, context) if flavour.packed else mf.INPUT_IDS)
         if spec.embed_scale != 1.0:  # Gemma: times sqrt(hidden), in the weights' dtype
             x = b.g.op1("Mul", [x, b.g.const("embed_scale", np.array(
                 spec.embed_scale, NUMPY_DTYPES[options.dtype]))])
@@ -101,7 +102,7 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
             h, residual = b.norm(x, residual, p + "attn_norm")
             qkv = b.linear(h, [p + "q", p + "k", p + "v"],
                            [p + "q_bias", p + "k_bias", p + "v_bias"], fused=p + "qkv")
-            attn = flavour.attention(b, i, qkv, context)  # [1, S, heads * head_dim]
+            attn = flavour.attention(b, i, qkv, context)  # [B, S | M, heads * head_dim]
             o = b.linear(attn, [p + "o"], [p + "o_bias"])
             if spec.sandwich_norms:
                 o, _ = b.norm(o, None, p + "post_attn_norm")
@@ -122,6 +123,8 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
             if on_layer is not None:
                 on_layer(i)
         h, _ = b.norm(x, residual, "norm")
+        if flavour.packed:  # logit_rows are grid positions
+            h = to_grid(b, h, spec.hidden_size, context)
         b.lm_head(h)
         weight_bytes = writer.bytes_written
 
@@ -153,6 +156,9 @@ def _make_model(spec: DecoderSpec, options: GraphOptions, g: NodeList,
                                       [batch, "total_sequence_length"]),
         helper.make_tensor_value_info(mf.LOGIT_ROWS, TensorProto.INT64, ["logit_rows"]),
     ]
+    if FLAVOURS[options.attention].packed:
+        inputs.append(helper.make_tensor_value_info(mf.TOKEN_ROWS, TensorProto.INT64,
+                                                    ["token_rows"]))
     outputs = [helper.make_tensor_value_info(mf.LOGITS, TensorProto.FLOAT,
                                              ["logit_rows", spec.vocab_size])]
     for i in range(spec.num_layers):

@@ -28,7 +28,7 @@ import onnxruntime as ort
 
 from . import manifest as mf
 from .errors import ManifestError, ProviderError
-from .graph_io import logit_rows_for
+from .graph_io import logit_rows_for, token_rows_for
 from .reference_decoder import ReferenceConfig, ReferenceDecoder
 from .sessions import OrtSessions
 from .validation import check_int
@@ -43,10 +43,12 @@ class BatchBackend(Protocol):
     ort_seconds: float  # time inside the model runtime
 
     def run(self, lo: int, hi: int, ids: np.ndarray, lengths: np.ndarray, *,
-            take: np.ndarray | None = None) -> np.ndarray:
+            take: np.ndarray | None = None, real: np.ndarray | None = None) -> np.ndarray:
         """ids [hi - lo, S] int64, lengths [hi - lo], take [N] int64 (flat positions r * S + s,
         None: all (hi - lo) * S): the logits [N, vocab] after those positions, in take's order
-        (a view, valid until the next call)."""
+        (a view, valid until the next call). real [M] int64, ascending: the positions holding
+        a row's own tokens (None: all), take among them; the others are padding, whose keys
+        and values land past their row's valid length, and a backend may skip computing them."""
         ...
 
     def move(self, src: int, dst: int, length: int) -> None:
@@ -81,6 +83,7 @@ class OrtBatchBackend:
             raise ManifestError(f"{sessions.model_dir}: the graph has no `{mf.LOGIT_ROWS}` input "
                                 f"(exported by an earlier ortspec); export it again for "
                                 f"batched decoding")
+        self._takes_token_rows = mf.TOKEN_ROWS in {i.name for i in self._session.get_inputs()}
         self._names = sessions.kv_names
         # [max_rows, kv_heads, capacity, head_dim] per layer and key/value
         self._kv = [np.zeros((self.max_rows, a.num_kv_heads, m.capacity, a.head_dim),
@@ -104,7 +107,7 @@ class OrtBatchBackend:
         return io
 
     def run(self, lo: int, hi: int, ids: np.ndarray, lengths: np.ndarray, *,
-            take: np.ndarray | None = None) -> np.ndarray:
+            take: np.ndarray | None = None, real: np.ndarray | None = None) -> np.ndarray:
         n, s = ids.shape
         width = int(lengths.max()) + s
         mask = self._mask[: n * width].reshape(n, width)  # [B, W]: row r has lengths[r] + S ones
@@ -115,6 +118,10 @@ class OrtBatchBackend:
         io.bind_cpu_input(mf.ATTENTION_MASK, mask)
         rows = logit_rows_for(wanted, min_rows=self.min_rows)  # the graph computes these only
         io.bind_cpu_input(mf.LOGIT_ROWS, rows)
+        if self._takes_token_rows:  # the MatMuls run on the real tokens only
+            computed = np.arange(n * s, dtype=np.int64) if real is None else real
+            io.bind_cpu_input(mf.TOKEN_ROWS, token_rows_for(computed, grid=n * s,
+                                                            min_rows=self.min_rows))
         logits = self._logits[: rows.size * self.vocab_size].reshape(rows.size, self.vocab_size)
         io.bind_output(mf.LOGITS, "cpu", 0, np.float32, [rows.size, self.vocab_size],
                        logits.ctypes.data)
@@ -146,15 +153,18 @@ class ReferenceBatchBackend:
         self.min_rows = min_rows
         self.ort_seconds = 0.0
         self.calls: list[tuple[int, int]] = []  # (rows, S) of each call, for tests
+        self.real: list[np.ndarray | None] = []  # each call's `real` positions, for tests
 
     def run(self, lo: int, hi: int, ids: np.ndarray, lengths: np.ndarray, *,
-            take: np.ndarray | None = None) -> np.ndarray:
+            take: np.ndarray | None = None, real: np.ndarray | None = None) -> np.ndarray:
+        """Computes every position (`real` is recorded, not used)."""
         out = np.empty((hi - lo, ids.shape[1], self.vocab_size))
         for r, (row_ids, length) in enumerate(zip(ids, lengths, strict=True)):
             dec = self.rows[lo + r]
             dec.truncate(int(length))
             out[r] = dec.forward_batch([int(t) for t in row_ids])
         self.calls.append((hi - lo, ids.shape[1]))
+        self.real.append(None if real is None else np.array(real, np.int64))
         out = out.reshape(-1, self.vocab_size)
         return out if take is None else out[np.asarray(take, np.int64)]
 

@@ -293,7 +293,8 @@ class BatchRunner:
         take = np.arange(n) if job.keep_all else np.array([n - 1])  # prefill: the last row
         try:
             logits = self.backend.run(row.index, row.index + 1, padded,
-                                      np.array([row.length], np.int64), take=take)
+                                      np.array([row.length], np.int64), take=take,
+                                      real=np.arange(n))
             if not np.isfinite(logits).all():  # the rows read (a prompt chunk: its last)
                 raise _non_finite(row.length + int(take[0]), int(take[-1] - take[0]) + 1)
         except BaseException as e:  # noqa: BLE001 - handed to the row's thread
@@ -335,7 +336,9 @@ class BatchRunner:
         self.stats.record(rows=len(jobs), width=s, padded=hi - len(jobs))
         try:
             t0 = time.perf_counter()
-            logits = self.backend.run(0, hi, ids, lengths, take=take)  # [take, vocab]
+            # the jobs' own tokens are the positions computed: padding and rows riding along
+            # need no MatMul rows (take is ascending: rows in order, each its tokens in order)
+            logits = self.backend.run(0, hi, ids, lengths, take=take, real=take)
             seconds = time.perf_counter() - t0
             self._call_seconds += CALL_ALPHA * (seconds - self._call_seconds)
         except BaseException as e:  # noqa: BLE001 - every job of the call gets the error

@@ -22,7 +22,9 @@ from .machine import cpu_model
 from .paths import cache_root
 from .protocols import Decoder
 
-CALIBRATION_VERSION = 2  # 2: cost surfaces have a one-token column (curves re-measured too)
+# 2: cost surfaces have a one-token column (curves re-measured too); 3: a surface's call has one
+# row of `tokens` tokens and the others one each
+CALIBRATION_VERSION = 3
 CALIBRATION_CONTEXT = 256  # tokens in the cache while a curve is measured
 
 
@@ -177,9 +179,12 @@ SURFACE_TOKENS = (1, 2, 4, 8, 16)  # tokens a row (a one-row call of one token r
 
 @dataclasses.dataclass(frozen=True)
 class CostSurface:
-    """c(rows, tokens): the measured seconds of one batched call of `rows` rows with `tokens`
-    new tokens each, on a grid (linear in between, and beyond the grid from its last two
-    points). A row's draft-length policy prices its block with `curve(rows)`, the cost of the
+    """c(rows, tokens): the measured seconds of one batched call of `rows` rows, one of which
+    appends `tokens` tokens (a pending token and tokens - 1 drafts) and the others one each,
+    on a grid (linear in between, and beyond the grid from its last two points). The call is
+    the runner's: every row's block padded to `tokens`, the graph computing the real tokens
+    only where it packs them (`token_rows`), all of them otherwise. A row's draft-length
+    policy prices its block with `curve(rows)`, the cost of the
     shared call it will ride in, so speculation stops paying where the measurements say so."""
 
     rows: tuple[int, ...]
@@ -223,10 +228,11 @@ class CostSurface:
         for rep in range(repeats + 1):
             for r, t in grid if rep % 2 else grid[::-1]:
                 # the call the runner makes (a one-row call of one token runs two)
-                ids = rng.integers(0, backend.vocab_size,
-                                   size=(r, call_width(r, t, backend.min_rows)))
+                s = call_width(r, t, backend.min_rows)
+                ids = rng.integers(0, backend.vocab_size, size=(r, s))
+                real = np.concatenate([np.arange(t), s * np.arange(1, r)]).astype(np.int64)
                 t0 = time.perf_counter()
-                backend.run(0, r, ids, lengths[:r])
+                backend.run(0, r, ids, lengths[:r], take=real, real=real)
                 if rep:  # the first round warms up
                     times[(r, t)].append(time.perf_counter() - t0)
         med = np.array([[float(np.median(times[(r, t)])) for t in tokens] for r in rows])

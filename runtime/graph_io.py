@@ -14,6 +14,7 @@ INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
 POSITION_IDS = "position_ids"
 LOGIT_ROWS = "logit_rows"  # optional: which positions' logits the call computes
+TOKEN_ROWS = "token_rows"  # optional: which positions' tokens the call's MatMuls compute
 LOGITS = "logits"
 
 
@@ -41,7 +42,7 @@ def decoder_io(num_layers: int) -> tuple[set[str], set[str], set[str]]:
     for i in range(num_layers):
         inputs |= {past_key_name(i), past_value_name(i)}
         outputs |= {present_key_name(i), present_value_name(i)}
-    return inputs, {POSITION_IDS, LOGIT_ROWS}, outputs
+    return inputs, {POSITION_IDS, LOGIT_ROWS, TOKEN_ROWS}, outputs
 
 
 def logit_rows_for(wanted: np.ndarray, *, min_rows: int) -> np.ndarray:
@@ -53,6 +54,19 @@ def logit_rows_for(wanted: np.ndarray, *, min_rows: int) -> np.ndarray:
     if wanted.size >= min_rows:
         return wanted
     return np.concatenate([wanted, np.full(min_rows - wanted.size, wanted[-1], np.int64)])
+
+
+def token_rows_for(real: np.ndarray, *, grid: int, min_rows: int) -> np.ndarray:
+    """The `token_rows` input of a call whose real tokens sit at the flat positions `real`
+    (ascending) of its B * S grid (`grid` = B * S): `real`, and when it has fewer than
+    `min_rows` entries, the lowest other grid positions up to that many (a padding token, or a
+    row riding along: its keys and values land past its valid length, where nothing reads
+    them). The graph's MatMuls then see at least `min_rows` rows."""
+    real = np.asarray(real, np.int64)
+    if real.size >= min_rows:
+        return real
+    extra = np.setdiff1d(np.arange(grid, dtype=np.int64), real)[: min_rows - real.size]
+    return np.sort(np.concatenate([real, extra]))
 
 
 def call_width(rows: int, tokens: int, min_rows: int) -> int:

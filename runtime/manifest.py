@@ -15,6 +15,7 @@ directory and matches its recorded sha256. Graph inputs and outputs follow fixed
     attention_mask             int64  [B, W]   row b: past_b + S ones, then zeros (W >= each)
     position_ids (optional)    int64  [B, S]
     logit_rows (optional)      int64  [N]      positions b * S + s whose logits the call computes
+    token_rows (optional)      int64  [M]      positions b * S + s whose tokens the call computes
     past_key_values.{i}.key    dtype  [B, kv_heads, capacity, head_dim]   bound to present.{i}.key
     past_key_values.{i}.value  dtype  [B, kv_heads, capacity, head_dim]   bound to present.{i}.value
     logits                     fp32   [N, vocab]   row n: after position logit_rows[n]
@@ -24,6 +25,12 @@ ortspec's exports (exporter revision 3 on) take `logit_rows` and run the LM head
 positions it names only: a prompt chunk asks for its last position, a padded block for its real
 ones (graph_io.logit_rows_for). A graph without it (an earlier export, onnxruntime-genai's)
 computes every position; `OrtDecoder` runs both, batched decoding needs the input.
+
+The batched graph (`--attention window`, exporter revision 4 on) also takes `token_rows`: its
+MatMuls, norms and LM head run on those M positions only (each row's own tokens, not its
+padding nor the rows riding along; graph_io.token_rows_for), gathered into [M, hidden], and
+only the attention sees the [B, S] grid. A call then costs about what its M tokens do, not
+B * S, so a row's drafts do not make every other row of the call pay for their width.
 
 B is 1 unless the manifest's `max_batch` says the graph takes more rows (see
 `ortspec.runtime.batching`).
@@ -40,8 +47,8 @@ from typing import Any
 
 from .errors import ManifestError
 from .graph_io import (  # noqa: F401 - the schema's I/O names, re-exported
-    ATTENTION_MASK, INPUT_IDS, LOGIT_ROWS, LOGITS, POSITION_IDS, past_key_name, past_value_name,
-    present_key_name, present_value_name)
+    ATTENTION_MASK, INPUT_IDS, LOGIT_ROWS, LOGITS, POSITION_IDS, TOKEN_ROWS, past_key_name,
+    past_value_name, present_key_name, present_value_name)
 from .onnx_guard import check_graph
 from .validation import is_int
 

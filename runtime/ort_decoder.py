@@ -320,12 +320,13 @@ class _Binding:
         needed_in = {mf.INPUT_IDS, mf.ATTENTION_MASK, *(p for p, _ in names)}
         needed_out = {mf.LOGITS, *(q for _, q in names)}
         missing = sorted((needed_in - inputs) | (needed_out - outputs))
-        extra = sorted(inputs - needed_in - {mf.POSITION_IDS, mf.LOGIT_ROWS})
+        extra = sorted(inputs - needed_in - {mf.POSITION_IDS, mf.LOGIT_ROWS, mf.TOKEN_ROWS})
         if missing or extra:
             raise ManifestError(f"{model_dir}: graph I/O does not match the manifest "
                                 f"(missing {missing}, unexpected inputs {extra})")
         self.has_positions = mf.POSITION_IDS in inputs
         self.has_logit_rows = mf.LOGIT_ROWS in inputs
+        self.has_token_rows = mf.TOKEN_ROWS in inputs
         for (past_name, present_name), src, dst in zip(names, past, present, strict=True):
             self.io.bind_ortvalue_input(past_name, src)
             self.io.bind_ortvalue_output(present_name, dst)  # shared mode: src is dst, in place
@@ -333,10 +334,14 @@ class _Binding:
 
     def bind_step(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray,
                   take: np.ndarray | None, logits: ort.OrtValue) -> None:
+        """ids [1, S]; a call of one row computes every token it runs (the padding copy of a
+        lone token included: the MatMuls see two rows)."""
         self.io.bind_cpu_input(mf.INPUT_IDS, ids)
         self.io.bind_cpu_input(mf.ATTENTION_MASK, mask)
         if self.has_positions:
             self.io.bind_cpu_input(mf.POSITION_IDS, positions)
+        if self.has_token_rows:
+            self.io.bind_cpu_input(mf.TOKEN_ROWS, np.arange(ids.shape[1], dtype=np.int64))
         if take is not None:
             self.io.bind_cpu_input(mf.LOGIT_ROWS, take)
         if logits is not self._bound_logits:

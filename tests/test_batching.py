@@ -32,7 +32,7 @@ from ortspec.runtime.batching import BatchRunner
 from ortspec.runtime.calibration import CostCurve, CostSurface
 from ortspec.runtime.draft_length import AdaptiveDraftLength, BatchCosts
 from ortspec.runtime.errors import NonFiniteLogitsError
-from ortspec.runtime.graph_io import call_width, logit_rows_for
+from ortspec.runtime.graph_io import call_width, logit_rows_for, token_rows_for
 from ortspec.runtime.sampling import DraftBlock
 from stats_helpers import assert_matches_marginals
 from test_decode import SMALL, exact_marginals
@@ -148,7 +148,7 @@ def test_a_row_with_non_finite_logits_fails_only_its_request():
     poison = 7
 
     class Poisoned(ReferenceBatchBackend):
-        def run(self, lo, hi, ids, lengths, *, take=None):
+        def run(self, lo, hi, ids, lengths, *, take=None, real=None):
             out = super().run(lo, hi, ids, lengths)  # [B * S, vocab]
             out[ids.reshape(-1) == poison] = np.nan
             return out if take is None else out[take]
@@ -226,7 +226,7 @@ def test_rows_decoding_together_stay_in_one_call():
     import time
 
     class Slow(ReferenceBatchBackend):
-        def run(self, lo, hi, ids, lengths, *, take=None):
+        def run(self, lo, hi, ids, lengths, *, take=None, real=None):
             time.sleep(0.02)
             return super().run(lo, hi, ids, lengths, take=take)
 
@@ -302,6 +302,28 @@ def test_cost_surface_interpolates_and_prices_a_row_by_the_batch():
     assert batched <= solo_view.choose(block)
 
 
+def test_token_rows_give_the_matmuls_two_rows_or_more():
+    assert list(token_rows_for(np.array([0]), grid=2, min_rows=2)) == [0, 1]
+    assert list(token_rows_for(np.array([3]), grid=4, min_rows=2)) == [0, 3]
+    assert list(token_rows_for(np.array([0, 5]), grid=8, min_rows=2)) == [0, 5]
+    assert list(token_rows_for(np.array([2]), grid=4, min_rows=1)) == [2]
+
+
+def test_the_runner_names_the_real_tokens_of_each_call():
+    """Prefill chunks and blocks pass their own positions as `real` (what a packing graph
+    computes); a lone token's padding is not among them."""
+    backend = ReferenceBatchBackend(GREEDY, max_rows=2, max_call=8, min_rows=2)
+    runner = BatchRunner(backend, max_verify_len=8)
+    row = runner.row()
+    row.prefill(list(range(1, 6)))
+    row.forward_batch([7, 8, 9])
+    row.forward_token(10)
+    row.release()
+    runner.close()
+    assert backend.calls == [(1, 5), (1, 3), (1, 2)]
+    assert [list(r) for r in backend.real] == [[0, 1, 2, 3, 4], [0, 1, 2], [0]]
+
+
 def test_cost_surface_measured_on_a_backend_is_monotone_and_writes_past_the_floors():
     backend = ReferenceBatchBackend(GREEDY, max_rows=3, max_call=8, min_rows=2)
     for dec in backend.rows:
@@ -315,6 +337,14 @@ def test_cost_surface_measured_on_a_backend_is_monotone_and_writes_past_the_floo
     assert surface.rows == (1, 2, 3) and surface.tokens == (1, 2, 4, 8)
     # each point timed as the runner calls it: one row's one-token call runs two tokens
     assert (1, 1) not in backend.calls and (1, 2) in backend.calls and (2, 1) in backend.calls
+    # ... and as a drafting row meets the others: one row's block, the others one token each
+    for (r, s), real in zip(backend.calls, backend.real, strict=True):
+        assert real is not None
+        rows, cols = np.divmod(real, s)
+        assert list(rows[rows > 0]) == list(range(1, r)) and not cols[rows > 0].any()
+        assert list(cols[rows == 0]) == list(range((rows == 0).sum()))
+    assert {len(real) - (r - 1) for (r, _), real in zip(backend.calls, backend.real)} \
+        == {1, 2, 4, 8}
     grid = np.asarray(surface.seconds)
     assert (np.diff(grid, axis=0) >= 0).all() and (np.diff(grid, axis=1) >= 0).all()
     for dec, logits in zip(backend.rows, before, strict=True):  # the first 20 tokens intact
@@ -369,6 +399,9 @@ def test_the_window_export_takes_batches_and_its_rows_are_bitwise_their_solo_cal
         taken = backend.run(lo, hi, ids, lengths, take=take)
         np.testing.assert_array_equal(
             taken, np.concatenate([expected[i] for i in reversed(range(lo, hi))]))
+        # packed: the MatMuls run on those positions only (token_rows), the same logits
+        packed = backend.run(lo, hi, ids, lengths, take=take, real=np.sort(take))
+        np.testing.assert_array_equal(packed, taken)
     # several rows' one-token steps run unpadded (S = 1: the graph pads each row's attention
     # to two queries itself), bitwise the solo step, which runs two tokens
     steps = rng.integers(0, 49152, size=4)

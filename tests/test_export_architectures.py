@@ -259,11 +259,14 @@ def test_family_standard_ops_flavour_matches_transformers(name, sources, exports
 
 def _check_batch_rows(out):
     """Rows of different lengths in one batched call: each bitwise its solo call, for a verify
-    block and for a one-token step (which runs unpadded on several rows)."""
+    block and for a one-token step (which runs unpadded on several rows); and packed (only the
+    real tokens computed: blocks of different lengths, a row riding along), each row's own
+    tokens still bitwise their solo call's, and the row riding along left as it was."""
     from ortspec.runtime.batch_backend import OrtBatchBackend
     from ortspec.runtime.sessions import OrtSessions
 
     sessions = OrtSessions(out, providers=["CPUExecutionProvider"])
+    assert mf.TOKEN_ROWS in {i.name for i in sessions.by_entry["verify"].get_inputs()}
     backend = OrtBatchBackend(sessions, max_rows=3)
     solo = OrtDecoder.on(sessions)
     ids = _prompt()
@@ -286,6 +289,18 @@ def _check_batch_rows(out):
         steps.append(solo.forward_token(block[0]))
     got = backend.run(0, 3, np.array([block[:1]] * 3), np.array([len(p) for p in prompts]))
     np.testing.assert_array_equal(got, np.stack(steps))
+    # packed: row 0 verifies 1 token, row 1 rides along (its cache must stay as it is), row 2
+    # the whole block; the grid is [3, VERIFY], padded with copies of each block's last token
+    sizes = (1, 0, VERIFY)
+    grid = np.array([np.concatenate([block[:n], np.full(VERIFY - n, block[max(n, 1) - 1])])
+                     for n in sizes])
+    real = np.concatenate([r * VERIFY + np.arange(n) for r, n in enumerate(sizes)])
+    lengths = np.array([len(p) for p in prompts])
+    got = backend.run(0, 3, grid, lengths, take=real, real=real)
+    np.testing.assert_array_equal(got[:1], expected[0][:1])
+    np.testing.assert_array_equal(got[1:], expected[2])
+    got = backend.run(1, 2, np.array([block[:2]]), lengths[1:2])  # row 1 after riding along
+    np.testing.assert_array_equal(got, expected[1][:2])
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
