@@ -42,7 +42,9 @@ def main(argv=None) -> int:
     session = ort.InferenceSession(model.SerializeToString(), so,
                                    providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
-    takes_rows = "logit_rows" in {i.name for i in session.get_inputs()}
+    graph_inputs = {i.name for i in session.get_inputs()}
+    takes_rows = "logit_rows" in graph_inputs
+    packs = "token_rows" in graph_inputs  # the batched graph: every token computed here
     pasts = {i.name: np.zeros([1, *i.shape[1:]], np.float32) for i in session.get_inputs()
              if i.name.startswith("past_key_values")}
 
@@ -51,6 +53,8 @@ def main(argv=None) -> int:
                     attention_mask=np.ones((1, total), np.int64))
         if takes_rows:  # exporter revision 3 on: the logits of every position, [S, vocab]
             feed["logit_rows"] = np.arange(len(ids), dtype=np.int64)
+        if packs:
+            feed["token_rows"] = np.arange(len(ids), dtype=np.int64)
         return dict(zip(names, session.run(None, feed)))
 
     rng = np.random.default_rng(0)
