@@ -49,15 +49,17 @@ STAGES = ("load", "build", "save", "validate", "checksums")
 # bumped whenever the graph an export writes changes; ensure_default_model re-exports older ones
 # 2: the batch axis is dynamic (B rows, each its own valid length); 3: the LM head runs on the
 # rows the `logit_rows` input names only; 4: the window flavour attends with two MatMuls per KV head
-# over its whole group of query heads (no padded query at G >= 2)
-EXPORTER_REVISION = 4
+# over its whole group of query heads (no padded query at G >= 2); 5: the window flavour packs
+# its tokens (the `token_rows` input)
+EXPORTER_REVISION = 5
 # the providers each graph flavour is built for (see runtime/providers.py): ORT's CUDA GQA
 # kernel is fp16/bf16 only and TensorRT does not import GQA; standard ONNX ops run anywhere
 GRAPH_PROVIDERS = {("gqa", "fp32"): "CPUExecutionProvider",
                    ("gqa", "fp16"): "CUDAExecutionProvider,CPUExecutionProvider",
                    ("standard", "fp32"): "any", ("standard", "fp16"): "any",
                    ("window", "fp32"): "CPUExecutionProvider"}
-ATTENTION_OPS = {"gqa": "GroupQueryAttention", "standard": "Attention", "window": "Attention"}
+# manifest extra.attention: the op that attends (revision 4 and earlier window exports: "Attention")
+ATTENTION_OPS = {"gqa": "GroupQueryAttention", "standard": "Attention", "window": "MatMul"}
 # the fewest rows a call runs (Manifest.min_call_rows), by whether the weights are quantized:
 # onnxruntime's one-row MatMulNBits path rounds differently from its several-row path by up to
 # 0.8 logits on SmolLM2-135M (runtime/row_invariance.py); padding every call to two rows makes a
@@ -373,6 +375,16 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
     return manifest
 
 
+def _flavour_of(manifest: mf.Manifest) -> str | None:
+    """The attention flavour an export was made with, from its manifest (None: not recorded).
+    Window exports of revision 4 and earlier recorded "Attention", as standard ones do; their
+    graphs take several rows."""
+    op = manifest.extra.get("attention")
+    if op == ATTENTION_OPS["standard"]:
+        return "window" if manifest.max_batch > 1 else "standard"
+    return {o: key for key, o in ATTENTION_OPS.items()}.get(op)
+
+
 def add_draft(target: str | os.PathLike, source: str | os.PathLike | None = None, *,
               quant: str | None = None, layers: int | None = None, overwrite: bool = False,
               progress: bool = True) -> Path:
@@ -394,8 +406,7 @@ def add_draft(target: str | os.PathLike, source: str | os.PathLike | None = None
     if manifest.draft_of is not None:
         raise ExportError(f"{target_dir} is itself a draft (draft_of {manifest.draft_of!r}); "
                           f"give its target directory")
-    attention = {op: key for key, op in ATTENTION_OPS.items()}.get(
-        manifest.extra.get("attention"))
+    attention = _flavour_of(manifest)
     if attention is None:
         raise ExportError(f"{target_dir}: the manifest does not say which attention flavour "
                           f"its graph uses (extra.attention); re-export the target")

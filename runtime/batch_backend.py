@@ -119,7 +119,11 @@ class OrtBatchBackend:
         rows = logit_rows_for(wanted, min_rows=self.min_rows)  # the graph computes these only
         io.bind_cpu_input(mf.LOGIT_ROWS, rows)
         if self._takes_token_rows:  # the MatMuls run on the real tokens only
-            computed = np.arange(n * s, dtype=np.int64) if real is None else real
+            computed = np.arange(n * s, dtype=np.int64) if real is None else \
+                np.asarray(real, np.int64)
+            if real is not None and not np.isin(wanted, computed).all():
+                raise ValueError("every position whose logits are taken must be among the "
+                                 "real ones (a position left out is computed from zeros)")
             io.bind_cpu_input(mf.TOKEN_ROWS, token_rows_for(computed, grid=n * s,
                                                             min_rows=self.min_rows))
         logits = self._logits[: rows.size * self.vocab_size].reshape(rows.size, self.vocab_size)

@@ -195,8 +195,9 @@ class CostSurface:
         return _at(self.tokens, self._line(rows), tokens)
 
     def curve(self, rows: int, max_len: int) -> CostCurve:
-        """The cost of a call of 1..max_len tokens a row at `rows` rows (below the grid's first
-        token count, that count's: `_at` holds the first point to the left)."""
+        """The cost of a call at `rows` rows in which one row appends 1..max_len tokens and the
+        others one each (below the grid's first token count, that count's: `_at` holds the
+        first point to the left)."""
         line = self._line(rows)
         return CostCurve(tuple(_at(self.tokens, line, n) for n in range(1, max_len + 1)))
 

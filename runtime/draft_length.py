@@ -224,11 +224,12 @@ class CallCosts(Protocol):
 
 class BatchCosts:
     """The costs of a row of a batched model (`batching.BatchRow`): the measured surface at the
-    number of rows decoding now, c(B, k + 1). The call is shared: a row that drafts k raises
-    every row's S to k + 1 (when it is the widest), so the policy weighs the call's tokens,
-    its own E(k) plus at least one from each of the B - 1 others (`others`), against c(B, k + 1):
-    a wide batch takes long drafts only when they are likely to pass. Nothing is learned from a
-    row's timed calls: their wall time includes waiting for the other rows."""
+    number of rows decoding now, c(B, k + 1), the call in which this row appends k + 1 tokens
+    and the others one each (a graph that packs its tokens computes just those; one that does
+    not runs every row at S = k + 1). The call is shared, so the policy weighs the call's
+    tokens, its own E(k) plus at least one from each of the B - 1 others (`others`), against
+    c(B, k + 1). Nothing is learned from a row's timed calls: their wall time includes waiting
+    for the other rows."""
 
     def __init__(self, surface: CostSurface, rows: Callable[[], int]) -> None:
         self.surface, self._rows = surface, rows

@@ -73,5 +73,6 @@ def call_width(rows: int, tokens: int, min_rows: int) -> int:
     """S of a call over `rows` rows whose longest block has `tokens` tokens: `tokens`, or more
     when rows * S would fall under `min_rows` (the manifest's min_call_rows, the fewest tokens a
     call runs in all). With min_call_rows 2 one row's step runs two tokens; a step of two rows
-    or more runs one, each row's attention padded to two queries inside the graph."""
+    or more runs one (the window graph's attention sees a token's G query heads as G rows, and
+    runs a lone query twice when G = 1)."""
     return max(tokens, -(-min_rows // rows))

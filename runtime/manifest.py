@@ -26,7 +26,7 @@ positions it names only: a prompt chunk asks for its last position, a padded blo
 ones (graph_io.logit_rows_for). A graph without it (an earlier export, onnxruntime-genai's)
 computes every position; `OrtDecoder` runs both, batched decoding needs the input.
 
-The batched graph (`--attention window`, exporter revision 4 on) also takes `token_rows`: its
+The batched graph (`--attention window`, exporter revision 5 on) also takes `token_rows`: its
 MatMuls, norms and LM head run on those M positions only (each row's own tokens, not its
 padding nor the rows riding along; graph_io.token_rows_for), gathered into [M, hidden], and
 only the attention sees the [B, S] grid. A call then costs about what its M tokens do, not

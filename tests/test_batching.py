@@ -32,7 +32,7 @@ from ortspec.runtime.batching import BatchRunner
 from ortspec.runtime.calibration import CostCurve, CostSurface
 from ortspec.runtime.draft_length import AdaptiveDraftLength, BatchCosts
 from ortspec.runtime.errors import NonFiniteLogitsError
-from ortspec.runtime.graph_io import call_width, logit_rows_for, token_rows_for
+from ortspec.runtime.graph_io import TOKEN_ROWS, call_width, logit_rows_for, token_rows_for
 from ortspec.runtime.sampling import DraftBlock
 from stats_helpers import assert_matches_marginals
 from test_decode import SMALL, exact_marginals
@@ -373,6 +373,7 @@ def test_the_window_export_takes_batches_and_its_rows_are_bitwise_their_solo_cal
     m = read_manifest(window_dir)
     assert m.max_batch == 16 and m.min_call_rows == 2
     model = load_model(window_dir, max_concurrent=1, batch=False)
+    assert TOKEN_ROWS in {i.name for i in model.sessions.by_entry["verify"].get_inputs()}
     backend = OrtBatchBackend(model.sessions, max_rows=4)
     solo = OrtDecoder.on(model.sessions)
     rng = np.random.default_rng(0)
@@ -402,8 +403,8 @@ def test_the_window_export_takes_batches_and_its_rows_are_bitwise_their_solo_cal
         # packed: the MatMuls run on those positions only (token_rows), the same logits
         packed = backend.run(lo, hi, ids, lengths, take=take, real=np.sort(take))
         np.testing.assert_array_equal(packed, taken)
-    # several rows' one-token steps run unpadded (S = 1: the graph pads each row's attention
-    # to two queries itself), bitwise the solo step, which runs two tokens
+    # several rows' one-token steps run unpadded (S = 1: the attention's MatMuls see each
+    # token's 3 query heads as rows), bitwise the solo step, which runs two tokens
     steps = rng.integers(0, 49152, size=4)
     lengths = np.array([p.size for p in prompts])
     alone = []

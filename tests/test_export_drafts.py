@@ -550,6 +550,10 @@ def test_layer_skip_draft_of_a_standard_attention_target(llama_src, tmp_path):
     assert d.extra["validation"]["verify_vs_pytorch"] <= 1e-3
     with pytest.raises(DraftOptionError, match="attention='gqa'"):
         add_draft(out, quant="int4", progress=False)
+    # added later, the draft is built in its target's flavour too (not the batched one, whose
+    # earlier manifests also said "Attention")
+    again = add_draft(out, layers=1, overwrite=True, progress=False)
+    assert "Attention" in _graph_ops(again) and mf.read_manifest(again).max_batch == 1
 
 
 def test_cli_exports_a_draft_and_adds_another(llama_src, tmp_path, capsys):
