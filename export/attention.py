@@ -227,12 +227,10 @@ def _window_preamble(b: GraphBuilder) -> dict[str, str]:
     one = g.const("one_i64", np.array(1, np.int64))
     axis0 = g.const("axes_0", np.array([0], np.int64))
     slots = g.op1("Range", [zero, g.op1("Squeeze", [width, axis0]), one])  # [W]
-    group = spec.num_heads // spec.num_kv_heads
-    ctx = {**_row_preamble(b, slots, pad_lone_query=group == 1), "width": width}
+    ctx = {**_row_preamble(b, slots, pad_lone_query=spec.query_group == 1), "width": width}
     ctx["mask_rows"] = _mask_rows(b, ctx["mask"], width)
-    qkv_dim = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
     ctx["grid_qkv_shape"] = g.op1("Concat", [g.op1("Shape", [mf.INPUT_IDS]), g.const(
-        f"width_{qkv_dim}", np.array([qkv_dim], np.int64))], axis=0)  # [3]: B, S, qkv width
+        f"width_{spec.qkv_dim}", np.array([spec.qkv_dim], np.int64))], axis=0)  # [3]: B, S, qkv
     return ctx
 
 
@@ -264,7 +262,7 @@ def _group_rows(b: GraphBuilder, q: str, ctx: dict[str, str]) -> str:
     """[B, S, heads * hd] -> [B, kv_heads, S' * G, hd], row s * G + j of KV head h being query
     head h * G + j at token s (S' = S, or 2 for a lone token when G = 1)."""
     g, spec = b.g, b.spec
-    group = spec.num_heads // spec.num_kv_heads
+    group = spec.query_group
     if group == 1:
         return g.op1("Pad", [_heads_first(b, q, spec.num_heads), ctx["q_pads"]], mode="edge")
     hd, kv = spec.head_dim, spec.num_kv_heads
@@ -279,9 +277,8 @@ def _window_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) ->
     lengths, and their outputs are dropped."""
     g, spec = b.g, b.spec
     q_dim, hd, kv = spec.num_heads * spec.head_dim, spec.head_dim, spec.num_kv_heads
-    group = spec.num_heads // kv
-    qkv_dim = q_dim + 2 * kv * hd
-    grid = g.op1("Reshape", [to_grid(b, qkv, qkv_dim, ctx), ctx["grid_qkv_shape"]])
+    group = spec.query_group
+    grid = g.op1("Reshape", [to_grid(b, qkv, spec.qkv_dim, ctx), ctx["grid_qkv_shape"]])
     q, key, value = _rotate_and_store(b, i, grid, ctx)
     zero = g.const("axes_0_start", np.array([0], np.int64))
     axis2 = g.const("axes_2", np.array([2], np.int64))
@@ -313,7 +310,7 @@ def _mask_rows(b: GraphBuilder, mask: str, width: str) -> str:
     """A mask [B, 1, S', W] as the grouped queries see it: [B, 1, S' * G, W], row s * G + j
     being token s's (every query head of a group sees the same keys)."""
     g = b.g
-    group = b.spec.num_heads // b.spec.num_kv_heads
+    group = b.spec.query_group
     mask5 = g.op1("Unsqueeze", [mask, g.const("axes_3", np.array([3], np.int64))])
     expand = g.const(f"expand_group_{group}", np.array([1, 1, 1, group, 1], np.int64))
     flat = g.op1("Concat", [g.const("shape_mask_rows", np.array([0, 1, -1], np.int64)), width],

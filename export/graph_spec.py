@@ -92,6 +92,16 @@ class DecoderSpec:
     def rotary_dims(self) -> int:
         return self.rotary_dim or self.head_dim
 
+    @property
+    def query_group(self) -> int:
+        """G: the query heads that share one KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def qkv_dim(self) -> int:
+        """Width of the fused q, k, v projection."""
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
     def architecture(self) -> mf.Architecture:
         return mf.Architecture(
             family=self.family, num_layers=self.num_layers, num_heads=self.num_heads,

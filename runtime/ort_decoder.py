@@ -239,6 +239,7 @@ class OrtDecoder:
             self._ids[:rows].reshape(1, rows),  # [1, S]
             self._mask[:end].reshape(1, end),  # [1, past + S]
             self._positions[self._length:end].reshape(1, rows),  # [1, S]
+            self._all_rows[:rows],  # every position computed: a row's padding copy included
             take,
             self._logits_value(rows if take is None else take.size, taken=take is not None),
         )
@@ -333,15 +334,15 @@ class _Binding:
         self._bound_logits: ort.OrtValue | None = None
 
     def bind_step(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray,
-                  take: np.ndarray | None, logits: ort.OrtValue) -> None:
-        """ids [1, S]; a call of one row computes every token it runs (the padding copy of a
-        lone token included: the MatMuls see two rows)."""
+                  tokens: np.ndarray, take: np.ndarray | None, logits: ort.OrtValue) -> None:
+        """ids [1, S]; tokens [S]: 0..S-1, the positions a packing graph computes (a lone
+        token's padding copy included: the MatMuls see two rows)."""
         self.io.bind_cpu_input(mf.INPUT_IDS, ids)
         self.io.bind_cpu_input(mf.ATTENTION_MASK, mask)
         if self.has_positions:
             self.io.bind_cpu_input(mf.POSITION_IDS, positions)
         if self.has_token_rows:
-            self.io.bind_cpu_input(mf.TOKEN_ROWS, np.arange(ids.shape[1], dtype=np.int64))
+            self.io.bind_cpu_input(mf.TOKEN_ROWS, tokens)
         if take is not None:
             self.io.bind_cpu_input(mf.LOGIT_ROWS, take)
         if logits is not self._bound_logits:
