@@ -6,7 +6,8 @@
     ortspec bench --anchors genai,hf                # + onnxruntime-genai and HF transformers
 
 Writes `results.md` (tables), `results.json` (every decode, the machine, the command) and
-`speedup.png` / `acceptance.png` into `--out`. The anchors run in their own environment
+`speedup.png` / `acceptance.png` into `--out`, and while it runs `partial.jsonl`, each finished
+prompt's records, from which `--resume` goes on after a stop (`checkpoint.py`). The anchors run in their own environment
 (`scripts/setup_anchors.sh`); when it is missing they are reported as unavailable.
 """
 
@@ -28,6 +29,7 @@ from ortspec.runtime.machine import cpu_model
 from ortspec.runtime.validation import check_int
 
 from . import report
+from .checkpoint import Checkpoint
 from .runner import SPECULATIVE, BenchConfig, Method, method_drafter, run_pairs
 from .workload import CATEGORIES, SPLITS, BenchPrompt, interleave_categories, load_questions
 
@@ -55,6 +57,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--anchors", default="", help=f"comma-separated subset of {','.join(ANCHORS)}")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/tmp/latest", help="output directory")
+    ap.add_argument("--resume", action="store_true",
+                    help="go on with the run whose partial.jsonl is in --out (the same options): "
+                         "measure only the prompts it lacks")
     ap.add_argument("--reaggregate", metavar="DIR", default=None,
                     help="rewrite DIR's results.md/json and plots from its results.json with this "
                          "version's aggregation (no decoding)")
@@ -161,6 +166,16 @@ def main(argv: list[str] | None = None) -> int:
             args.questions, split=args.split, per_category=args.per_category or None, categories=cats))
         needs_draft = any("draft-model" in m.drafter for m in methods)
         model_dir = model_arg(args.model)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        checkpoint = Checkpoint(out, {
+            "model": str(model_dir.resolve()), "draft": args.draft, "providers": args.providers,
+            "threads": args.threads, "questions": args.questions, "split": args.split,
+            "per_category": args.per_category, "categories": args.categories,
+            "methods": [m.name for m in methods], "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature, "repeats": args.repeats, "ngram_size": args.ngram_size,
+            "max_draft_len": args.max_draft_len, "seed": args.seed, "anchors": args.anchors})
+        checkpoint.start(resume=args.resume)
         model = load_model(model_dir, providers=providers_arg(args.providers),
                            threads=args.threads, draft=(args.draft or True) if needs_draft else None)
         for m in methods:  # every method's drafter and options, before anything runs
@@ -175,10 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     config = BenchConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                          repeats=args.repeats, ngram_size=args.ngram_size,
                          max_draft_len=args.max_draft_len, seed=args.seed)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    done = checkpoint.done
     print(f"{len(prompts)} prompts ({args.split} split), methods {[m.name for m in methods]}, "
-          f"temperature {args.temperature}, {args.max_new_tokens} new tokens", file=sys.stderr)
+          f"temperature {args.temperature}, {args.max_new_tokens} new tokens"
+          + (f"; {len(done)} measured before, resumed from {checkpoint.path}" if done else ""),
+          file=sys.stderr)
     # warm up: thread pools, allocator, calibration (cached next to the model)
     model.generate("Hello", chat=True, drafter=None, options=SpeculativeOptions(8))
     try:
@@ -188,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         progress = bar.update
     except ImportError:
         bar, progress = None, None
-    records, skipped = run_pairs(model, prompts, methods, config, progress=progress)
+    run_pairs(model, prompts, methods, config, progress=progress, done=done, on_prompt=checkpoint.add)
+    records, skipped = checkpoint.records, checkpoint.skipped
     if bar is not None:
         bar.close()
     names = [m.name for m in methods]
@@ -203,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             "anchor_records": anchor_raw, "title": title,
             "providers": list(model.providers)}
     write_outputs(out, meta, records)
+    checkpoint.finish()
     return 0
 
 

@@ -112,12 +112,17 @@ def run_pairs(
     *,
     progress: Callable[[int], None] | None = None,
     policies: dict[str, Any] | None = None,
+    done: frozenset[int] = frozenset(),
+    on_prompt: Callable[[list[dict[str, Any]], list[dict[str, Any]]], None] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(records, skipped). Each record is one decode; at temperature 0 each speculative record
     says whether its tokens equal the plain decode's of the same prompt and repeat.
 
     policies: method name -> its draft-length policy, for a caller that runs one prompt at a
-    time and keeps what each method learned (missing ones are made fresh here)."""
+    time and keeps what each method learned (missing ones are made fresh here).
+    done: question ids already measured (a resumed run): skipped, each method keeping the
+    order it has at that prompt's place in `prompts`. on_prompt: called with each prompt's
+    records and skipped entries as soon as it is finished."""
     if not methods or methods[0].name != "plain":
         raise InvalidOptionError("the first method must be 'plain': every speedup is relative to it")
     # each cost-model method learns on its own (two methods drafting with prompt lookup must not
@@ -131,10 +136,16 @@ def run_pairs(
     records: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     for i, prompt in enumerate(prompts):
+        if prompt.question_id in done:
+            if progress:
+                progress(1)
+            continue
         ids = model.encode(prompt.text, chat=model.manifest.chat_format is not None)
         if len(ids) + config.max_new_tokens > capacity + 1:
             skipped.append({"question_id": prompt.question_id, "category": prompt.category,
                             "prompt_tokens": len(ids), "reason": f"does not fit the capacity {capacity}"})
+            if on_prompt:
+                on_prompt([], skipped[-1:])
             if progress:
                 progress(1)
             continue
@@ -160,6 +171,8 @@ def run_pairs(
                 if config.temperature == 0 and m.name != "plain":
                     rec["identical_to_plain"] = rec["tokens"] == plain_tokens
                 records.append(rec)
+        if on_prompt:
+            on_prompt(records[-config.repeats * len(methods):], [])
         if progress:
             progress(1)
     return records, skipped

@@ -152,3 +152,69 @@ def test_reaggregate_rewrites_a_finished_run_with_this_versions_tables(tmp_path,
     capsys.readouterr()
     assert bench_main(["--reaggregate", str(tmp_path)]) == 2
     assert "--reaggregate needs a directory with a results.json" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from helpers_export import make_tiny_llama
+    from ortspec.export import export_model
+
+    src = make_tiny_llama(tmp_path_factory.mktemp("src") / "tiny-llama", seed=5)
+    return export_model(src, out=tmp_path_factory.mktemp("out") / "llama", capacity=512,
+                        max_verify_len=8, progress=False)
+
+
+def test_an_interrupted_run_resumes_where_it_stopped(tiny_dir, tmp_path, monkeypatch, capsys):
+    """A run killed after some prompts leaves their records in partial.jsonl; --resume with the
+    same options decodes only the rest and writes the tables a whole run writes; other options
+    are refused before anything is decoded."""
+    from ortspec.bench import checkpoint
+    from ortspec.bench.cli import main as bench_main
+    from ortspec.runtime.model import Model
+
+    argv = ["--model", str(tiny_dir), "--per-category", "1", "--categories", "qa,translation,math_reasoning,rag",
+            "--max-new-tokens", "6", "--methods", "plain,prompt-lookup"]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert bench_main(argv + ["--out", str(whole)]) == 0
+    assert not (whole / checkpoint.FILE_NAME).exists()  # removed once the tables are written
+    data = json.loads((whole / "results.json").read_text())
+    expected = data["records"]
+    # translation, qa and math_reasoning decoded by both methods; the rag prompt does not fit
+    assert len(expected) == 6 and [s["category"] for s in data["skipped"]] == ["rag"]
+
+    calls = []
+    real_generate = Model.generate
+
+    def generate(self, ids, **kw):  # the bench's warm-up and two prompts' decodes, then killed
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        calls.append(kw.get("drafter"))
+        return real_generate(self, ids, **kw)
+
+    monkeypatch.setattr(Model, "generate", generate)
+    with pytest.raises(KeyboardInterrupt):
+        bench_main(argv + ["--out", str(part)])
+    assert not (part / "results.json").exists()
+    lines = (part / checkpoint.FILE_NAME).read_text().splitlines()
+    assert len(lines) == 3  # the run's options, then two finished prompts
+
+    capsys.readouterr()
+    assert bench_main(argv[:-2] + ["--methods", "plain", "--out", str(part), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "from a run with other options (methods" in err and "--resume" in err
+    assert bench_main(argv + ["--out", str(tmp_path / "none"), "--resume"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+    calls.clear()
+    assert bench_main(argv + ["--out", str(part), "--resume"]) == 0
+    assert len(calls) == 1 + 2  # the warm-up, then the third prompt's two methods only
+    data = json.loads((part / "results.json").read_text())
+    resumed = data["records"]
+    assert [s["category"] for s in data["skipped"]] == ["rag"]
+    key = lambda r: (r["question_id"], r["method"])  # noqa: E731
+    assert sorted(map(key, resumed)) == sorted(map(key, expected))
+    by_key = {key(r): r for r in expected}
+    for r in resumed:  # greedy: each decode is the uninterrupted run's
+        assert r["tokens"] == by_key[key(r)]["tokens"]
+        assert r.get("identical_to_plain") == by_key[key(r)].get("identical_to_plain")
+    assert not (part / checkpoint.FILE_NAME).exists()
