@@ -619,10 +619,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.url:
             urls[drafters[0]] = args.url
         else:
-            for d in drafters:
-                proc, urls[d] = _start_server(model_dir, max(levels), d)
-                procs.append(proc)
-            for proc, d in zip(procs, drafters):
+            for d in drafters:  # one at a time: a server measures its cost curve and surface
+                proc, urls[d] = _start_server(model_dir, max(levels), d)  # as it starts, and
+                procs.append(proc)  # two measuring at once would each time a loaded machine
                 _wait_ready(proc, urls[d])
         name = httpx.get(urls[drafters[0]] + "/v1/models", timeout=10).json()["data"][0]["id"]
         for d in drafters:  # warm-up: the first requests of a fresh process are slower
