@@ -9,7 +9,7 @@ in-process `Model.generate`.
     python scripts/bench_serve.py --url http://127.0.0.1:8000 ...   # a server already running
 
 Without --url the script starts one `ortspec serve` per drafter on free local ports
-(--max-concurrent = the highest concurrency), all at once, and stops them at the end. Every
+(--max-concurrent = the highest concurrency), one after another, and stops them at the end. Every
 request is a chat request, streamed, temperature 0, usage included, from the prompt set
 (--prompts: 8 short chat prompts, or the Spec-Bench dev split's first turns) in turn. A model
 exported with `--attention window` batches the concurrent requests in shared calls.
@@ -58,6 +58,9 @@ import threading
 import time
 from pathlib import Path
 
+from serve_bench_report import markdown_name, checks, identical, markdown, plot, rows_delta, \
+    rows_summary, summarise
+
 CHAT_PROMPTS = [
     "Summarise in two sentences: the water cycle moves water between oceans, air and land.",
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -78,11 +81,6 @@ def load_prompts(kind: str, *, per_category: int) -> list[str]:
 
     return [q.text for q in interleave_categories(load_questions(split="dev",
                                                                  per_category=per_category))]
-
-
-def _percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
 
 
 def _client(url: str):
@@ -151,70 +149,6 @@ def run_batch(url: str, name: str, prompts: list[str], concurrency: int, n_reque
             "outputs": [{"prompt": p, "tokens": r[2], "text": r[3]} for p, r in results]}
 
 
-def summarise(batches: list[dict]) -> dict:
-    latency = [x for b in batches for x in b["latency_s"]]
-    ttft = [x for b in batches for x in b["ttft_s"]]
-    tok_s = [b["tokens"] / b["wall_s"] for b in batches]
-    out = {"requests": len(latency), "tokens": sum(b["tokens"] for b in batches),
-           "tok_s_median": statistics.median(tok_s), "tok_s_min": min(tok_s),
-           "tok_s_max": max(tok_s)}
-    for q in (50, 90, 99):
-        out[f"latency_p{q}_s"] = _percentile(latency, q)
-    for q in (50, 90, 99):
-        out[f"ttft_p{q}_s"] = _percentile(ttft, q)
-    return out
-
-
-def identical(batches: dict[tuple[str, int], list[dict]], drafters: list[str],
-              levels: list[int]) -> dict:
-    """Every request's text against its drafter's serial text for the prompt, and against plain
-    decoding's (the drafter "none" if measured, else the first one). The serial configuration
-    is concurrency 1, or the lowest measured; its reference is its first round's text."""
-    serial = min(levels)
-    base = "none" if "none" in drafters else drafters[0]
-    refs: dict[str, dict[int, str]] = {d: {} for d in drafters}
-    for d in drafters:
-        for b in batches[d, serial]:
-            for o in b["outputs"]:
-                refs[d].setdefault(o["prompt"], o["text"])
-    per_config, differing = {}, []
-    for (d, c), bs in batches.items():
-        same = same_base = n = 0
-        for rnd, b in enumerate(bs):
-            for o in b["outputs"]:
-                n += 1
-                ref, ref_base = refs[d].get(o["prompt"]), refs[base].get(o["prompt"])
-                same += o["text"] == ref
-                same_base += o["text"] == ref_base
-                if o["text"] != ref or o["text"] != ref_base:
-                    differing.append({"drafter": d, "concurrency": c, "round": rnd,
-                                      "prompt": o["prompt"], "text": o["text"],
-                                      "serial_text": ref, "plain_serial_text": ref_base,
-                                      "first_difference": _first_difference(
-                                          o["text"], ref if o["text"] != ref else ref_base)})
-        per_config[f"{d}/{c}"] = {"drafter": d, "concurrency": c, "requests": n,
-                                  "identical_to_serial": same,
-                                  "identical_to_plain_serial": same_base}
-    serial_vs_plain = {d: {"prompts": len(refs[d]),
-                           "identical": sum(refs[d][p] == refs[base].get(p) for p in refs[d])}
-                       for d in drafters if d != base}
-    n = sum(v["requests"] for v in per_config.values())
-    return {"serial_concurrency": serial, "plain": base, "per_config": per_config,
-            "requests": n,
-            "identical_to_serial": sum(v["identical_to_serial"] for v in per_config.values()),
-            "identical_to_plain_serial": sum(v["identical_to_plain_serial"]
-                                             for v in per_config.values()),
-            "serial_vs_plain": serial_vs_plain, "all_identical": not differing,
-            "differing": differing}
-
-
-def _first_difference(a: str, b: str | None) -> int | None:
-    """The first character where a and b differ (None when equal or b is missing)."""
-    if b is None or a == b:
-        return None
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def scrape_batch_rows(url: str) -> dict | None:
     """`ortspec:batch_rows` from the server's /metrics: its buckets (cumulative, as Prometheus
     has them, by upper bound), count and sum; None if the server does not batch."""
@@ -235,33 +169,6 @@ def scrape_batch_rows(url: str) -> dict | None:
                 out["sum"] = float(s.value)
         return out
     return None
-
-
-def rows_delta(before: dict | None, after: dict | None) -> dict | None:
-    """The calls between two scrapes of `ortspec:batch_rows`."""
-    if before is None or after is None:
-        return None
-    return {"buckets": {k: v - before["buckets"].get(k, 0) for k, v in after["buckets"].items()},
-            "count": after["count"] - before["count"], "sum": after["sum"] - before["sum"]}
-
-
-def rows_summary(h: dict | None) -> dict | None:
-    """Calls, mean rows per call, and calls per bucket (rows in (previous bound, bound])."""
-    if h is None:
-        return None
-
-    def bound(k: str) -> float:
-        return float("inf") if k == "+Inf" else float(k)
-
-    per_bucket, previous, lo = {}, 0, 0.0
-    for k in sorted(h["buckets"], key=bound):
-        hi = bound(k)
-        label = "+Inf" if hi == float("inf") else (f"{hi:g}" if hi - lo <= 1
-                                                   else f"{lo + 1:g}-{hi:g}")
-        per_bucket[label] = h["buckets"][k] - previous
-        previous, lo = h["buckets"][k], hi
-    return {"calls": h["count"], "mean_rows": h["sum"] / h["count"] if h["count"] else None,
-            "calls_by_rows": per_bucket, "cumulative_buckets": h["buckets"]}
 
 
 def overhead(url: str, name: str, prompts: list[str], model, drafter: str, n_requests: int,
@@ -386,197 +293,6 @@ def _machine() -> dict:
     return {"cpu": cpu_model(), "logical_cpus": os.cpu_count(), "platform": platform.platform()}
 
 
-GENERATED = "<!-- written by scripts/bench_serve.py -->"
-
-
-def checks(res: dict) -> dict:
-    """From the measured data: throughput at c=8 over c=1 per drafter, speculative over plain
-    at c=4 (median of rounds, and the range of the same ratio round by round), and whether every
-    output was identical to its serial run."""
-    by = {(r["drafter"], r["concurrency"]): r for r in res["levels"]}
-    drafters = res["config"]["drafters"]
-    plain = "none" if "none" in drafters else None
-
-    def ratio(a: dict, b: dict) -> dict:
-        per_round = [(x["tokens"] / x["wall_s"]) / (y["tokens"] / y["wall_s"])
-                     for x, y in zip(a["rounds"], b["rounds"])]
-        return {"ratio": a["tok_s_median"] / b["tok_s_median"],
-                "per_round_min": min(per_round), "per_round_max": max(per_round)}
-
-    out: dict = {"scaling_c8_over_c1": {}, "target_scaling": 3.0}
-    for d in drafters:
-        if (d, 8) in by and (d, 1) in by:
-            out["scaling_c8_over_c1"][d] = ratio(by[d, 8], by[d, 1])
-    out["spec_over_plain_c4"] = {d: ratio(by[d, 4], by[plain, 4]) for d in drafters
-                                 if plain and d != plain and (d, 4) in by and (plain, 4) in by}
-    ident = res.get("identical")
-    if ident:
-        out["identical_to_serial"] = [ident["identical_to_serial"], ident["requests"]]
-        out["identical_to_plain_serial"] = [ident["identical_to_plain_serial"], ident["requests"]]
-    return out
-
-
-def _rows_cell(s: dict | None) -> str:
-    return "-" if not s or s["mean_rows"] is None else f"{s['mean_rows']:.2f} ({s['calls']})"
-
-
-def markdown(res: dict) -> str:
-    cfg = res["config"]
-    ident = res.get("identical") or {}
-    per_config = ident.get("per_config", {})
-    serial = ident.get("serial_concurrency", 1)
-    load = ", ".join(f"{x:.1f}" for x in res["load_average_before"])
-    load_after = ", ".join(f"{x:.1f}" for x in res["load_average_after"])
-    lines = [GENERATED, "",
-             (f"model {cfg['model']}, max_tokens {cfg['max_tokens']}, temperature 0, chat "
-              f"requests; servers with --max-concurrent {cfg['server_max_concurrent']}; "
-              f"{res['machine']['logical_cpus']} logical CPUs, load average {load} before, "
-              f"{load_after} after; {res['duration_s'] / 60:.1f} min"
-              + (f"; checkout {res['checkout']['commit'][:10]}"
-                 + (f" (changed: {', '.join(res['checkout']['changed'])})"
-                    if res["checkout"].get("changed") else "")
-                 if (res.get("checkout") or {}).get("commit") else "")), ""]
-    if res["levels"]:
-        lines += [(f"{cfg['requests']} streamed requests per configuration per round, "
-                   f"{cfg['rounds']} rounds (configurations interleaved, order shuffled per "
-                   f"round). tok/s: completion tokens / wall time of the batch, median of rounds "
-                   f"(range). Mean rows/call: `ortspec:batch_rows` over this configuration's "
-                   f"batched calls (calls in brackets). Identical to serial: requests whose text "
-                   f"is the one the concurrency-{serial} run of the same drafter gave for that "
-                   f"prompt; to plain serial: the one plain decoding's concurrency-{serial} run "
-                   f"gave."), "",
-                  ("| drafter | concurrency | requests | tok/s (range) | p50 TTFT s | p99 TTFT s "
-                   "| p50 latency s | p90 latency s | p99 latency s | mean rows/call (calls) "
-                   "| identical to serial | identical to plain serial |"),
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in res["levels"]:
-        i = per_config.get(f"{r['drafter']}/{r['concurrency']}")
-        same = f"{i['identical_to_serial']}/{i['requests']}" if i else "-"
-        same_base = f"{i['identical_to_plain_serial']}/{i['requests']}" if i else "-"
-        lines.append(f"| {r['drafter']} | {r['concurrency']} | {r['requests']} | "
-                     f"{r['tok_s_median']:.1f} ({r['tok_s_min']:.1f}-{r['tok_s_max']:.1f}) | "
-                     f"{r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} | "
-                     f"{r['latency_p50_s']:.2f} | {r['latency_p90_s']:.2f} | "
-                     f"{r['latency_p99_s']:.2f} | {_rows_cell(r.get('batch_rows'))} | "
-                     f"{same} | {same_base} |")
-    if ident:
-        verdict = "all identical" if ident["all_identical"] else \
-            f"{len(ident['differing'])} requests differ (see results.json, identical.differing)"
-        lines += ["", f"Outputs identical to serial: {ident['identical_to_serial']}/"
-                  f"{ident['requests']} requests; identical to plain decoding's serial output: "
-                  f"{ident['identical_to_plain_serial']}/{ident['requests']}; "
-                  + "; ".join(f"{d}'s serial outputs vs plain's: {v['identical']}/{v['prompts']} "
-                              f"prompts" for d, v in ident["serial_vs_plain"].items())
-                  + f" — {verdict}."]
-    drafters = sorted({r["drafter"] for r in res["levels"]})
-    if "none" in drafters and len(drafters) > 1:
-        plain = {r["concurrency"]: r["tok_s_median"] for r in res["levels"] if r["drafter"] == "none"}
-        lines += ["", "| drafter | concurrency | throughput vs plain |", "|---|---:|---:|"]
-        for r in res["levels"]:
-            if r["drafter"] != "none" and r["concurrency"] in plain:
-                lines.append(f"| {r['drafter']} | {r['concurrency']} | "
-                             f"{r['tok_s_median'] / plain[r['concurrency']]:.2f}x |")
-    if res.get("batch_rows"):
-        def upper(k: str) -> float:
-            return float("inf") if k == "+Inf" else float(k.split("-")[-1])
-
-        # the buckets up to the one holding --max-concurrent, and any higher with calls in them
-        bounds = sorted({k for s in res["batch_rows"].values() if s
-                         for k, n in s["calls_by_rows"].items()
-                         if n or upper(k) / 2 < cfg["server_max_concurrent"]}, key=upper)
-        lines += ["", ("`ortspec:batch_rows` scraped from each server's /metrics at the end "
-                       "(every batched decode call since it started, warm-up included): calls by "
-                       "rows per call"), "",
-                  "| drafter | calls | mean rows/call | " + " | ".join(
-                      f"{b} row{'' if b == '1' else 's'}" for b in bounds) + " |",
-                  "|---|---:|---:|" + "---:|" * len(bounds)]
-        for d, s in res["batch_rows"].items():
-            if s is None:
-                lines.append(f"| {d} | (no batch_rows: the model does not batch) |")
-                continue
-            mean = "-" if s["mean_rows"] is None else f"{s['mean_rows']:.2f}"
-            lines.append(f"| {d} | {s['calls']} | {mean} | " + " | ".join(
-                str(s["calls_by_rows"].get(b, 0)) for b in bounds) + " |")
-    ch = res.get("checks") or {}
-    if ch:
-        lines += ["", ("Checks (from the data above; throughput as median of rounds, the range "
-                       "is the same ratio round by round):"), ""]
-        for d, v in ch["scaling_c8_over_c1"].items():
-            ok = "meets" if v["ratio"] >= ch["target_scaling"] else "misses"
-            lines.append(f"- {d}: throughput at c=8 / c=1 = **{v['ratio']:.2f}x** "
-                         f"({v['per_round_min']:.2f}-{v['per_round_max']:.2f}); {ok} the "
-                         f"{ch['target_scaling']:g}x target")
-        for d, v in ch["spec_over_plain_c4"].items():
-            ok = "beats" if v["ratio"] > 1 else "does not beat"
-            lines.append(f"- {d} / plain throughput at c=4 = **{v['ratio']:.2f}x** "
-                         f"({v['per_round_min']:.2f}-{v['per_round_max']:.2f}); speculative "
-                         f"{ok} plain")
-        if "identical_to_serial" in ch:
-            k, n = ch["identical_to_serial"]
-            kb, _ = ch["identical_to_plain_serial"]
-            lines.append(f"- outputs identical to their serial run: **{k}/{n}**; to plain "
-                         f"decoding's serial run: **{kb}/{n}**")
-    if res.get("overhead"):
-        lines += ["", "Server overhead at concurrency 1 (median over interleaved requests of "
-                  "served / in-process seconds per token, minus one):", "",
-                  "| drafter | requests | in-process ms/token | served streamed ms/token "
-                  "| overhead streamed (95% interval) | served whole ms/token "
-                  "| overhead whole (95% interval) |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
-        for o in res["overhead"]:
-            (sl, sh), (wl, wh) = o["stream_overhead_95"], o["whole_overhead_95"]
-            lines.append(f"| {o['drafter']} | {o['requests']} | {o['local_ms_per_token']:.2f} | "
-                         f"{o['stream_ms_per_token']:.2f} | {o['stream_overhead']:+.1%} "
-                         f"({sl:+.1%} to {sh:+.1%}) | {o['whole_ms_per_token']:.2f} | "
-                         f"{o['whole_overhead']:+.1%} ({wl:+.1%} to {wh:+.1%}) |")
-    return "\n".join(lines) + "\n"
-
-
-def plot(res: dict, path: Path) -> None:
-    """Aggregate tok/s (median of rounds, bars: range) by concurrency, a line per drafter."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for d in res["config"]["drafters"]:
-        rows = sorted((r for r in res["levels"] if r["drafter"] == d),
-                      key=lambda r: r["concurrency"])
-        if not rows:
-            continue
-        x = [r["concurrency"] for r in rows]
-        y = [r["tok_s_median"] for r in rows]
-        err = [[r["tok_s_median"] - r["tok_s_min"] for r in rows],
-               [r["tok_s_max"] - r["tok_s_median"] for r in rows]]
-        ax.errorbar(x, y, yerr=err, marker="o", capsize=3,
-                    label="plain" if d == "none" else d)
-    levels = res["config"]["concurrency"]
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(levels, [str(c) for c in levels])
-    ax.set_xlabel("concurrent requests")
-    ax.set_ylabel("aggregate completion tok/s")
-    top = max((r["tok_s_max"] for r in res["levels"]), default=1.0)
-    ax.set_ylim(0, top * 1.1)
-    rounds = res["config"]["rounds"]
-    ax.set_title(f"{res['config']['model']}: median of {rounds} round{'s' * (rounds != 1)} "
-                 f"(bars: range)", fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _markdown_name(out: Path) -> str:
-    """results.md, unless a results.md not written by this script is there (a hand-written
-    report): then results.tables.md."""
-    md = out / "results.md"
-    if md.exists() and not md.read_text().startswith(GENERATED):
-        return "results.tables.md"
-    return "results.md"
-
-
 def main(argv: list[str] | None = None) -> int:
     import httpx
 
@@ -695,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
-        (out / _markdown_name(out)).write_text(table)
+        (out / markdown_name(out)).write_text(table)
         if levels_out:
             plot(res, out / "throughput.png")
     if ident and not ident["all_identical"]:
