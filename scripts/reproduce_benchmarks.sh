@@ -31,6 +31,13 @@ for T in 0.7 0 1; do
   $B --per-category 4 --max-new-tokens 96 --temperature $T --out benchmarks/shared-kv-draft/t$T \
      --methods plain,prompt-lookup,draft-model,prompt-lookup+draft-model
 done
+# 5b. the composition on the whole dev split (about 25-30 minutes each here)
+for T in 1 0.7; do
+  $B --per-category 0 --max-new-tokens 96 --temperature $T --out benchmarks/dev-split-draft/t$T \
+     --methods plain,prompt-lookup+draft-model
+done
+$B --per-category 0 --max-new-tokens 128 --temperature 0 --out benchmarks/dev-split-draft/t0 \
+   --methods plain,prompt-lookup+draft-model
 # 6. the target mass several model-free candidates could reach (no timing)
 for T in 1 0.7; do
   .venv/bin/python scripts/candidate_mass.py --temperature $T --per-category 4 --max-new-tokens 96
