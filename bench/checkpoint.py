@@ -34,13 +34,15 @@ class Checkpoint:
         """The question ids measured (or skipped) so far."""
         return frozenset(r["question_id"] for r in self.records + self.skipped)
 
-    def start(self, *, resume: bool) -> None:
-        """A fresh file, or (resume) the measured prompts of the file left by the same run. A
-        file of another run, or a truncated last line, is refused before anything is decoded."""
-        if resume:
-            self._load()
-        else:
-            self.records, self.skipped = [], []
+    def resume(self) -> None:
+        """Read the measured prompts of the file the same run left; nothing is written. A file
+        of another run, or none, is refused (before anything loads or is decoded)."""
+        self._load()
+
+    def begin(self) -> None:
+        """Write the file: the run's options, then what `resume` read (nothing for a fresh run),
+        in a directory made if missing."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("w", encoding="utf-8") as f:  # rewritten whole: no torn line kept
             f.write(json.dumps({"run": self.key}) + "\n")
             if self.records or self.skipped:

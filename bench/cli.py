@@ -167,7 +167,6 @@ def main(argv: list[str] | None = None) -> int:
         needs_draft = any("draft-model" in m.drafter for m in methods)
         model_dir = model_arg(args.model)
         out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         checkpoint = Checkpoint(out, {
             "model": str(model_dir.resolve()), "draft": args.draft, "providers": args.providers,
             "threads": args.threads, "questions": args.questions, "split": args.split,
@@ -175,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             "methods": [m.name for m in methods], "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "repeats": args.repeats, "ngram_size": args.ngram_size,
             "max_draft_len": args.max_draft_len, "seed": args.seed, "anchors": args.anchors})
-        checkpoint.start(resume=args.resume)
+        if args.resume:
+            checkpoint.resume()
         model = load_model(model_dir, providers=providers_arg(args.providers),
                            threads=args.threads, draft=(args.draft or True) if needs_draft else None)
         for m in methods:  # every method's drafter and options, before anything runs
@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                 model.check_drafter_spec(spec)
             except InvalidOptionError as e:
                 raise InvalidOptionError(f"method {m.name!r}: {e}") from None
+        checkpoint.begin()  # every option checked: the output directory is written from here on
     except OrtspecError as e:
         print(f"ortspec bench: error: {e}", file=sys.stderr)
         return 2
