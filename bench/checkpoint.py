@@ -34,11 +34,6 @@ class Checkpoint:
         """The question ids measured (or skipped) so far."""
         return frozenset(r["question_id"] for r in self.records + self.skipped)
 
-    def resume(self) -> None:
-        """Read the measured prompts of the file the same run left; nothing is written. A file
-        of another run, or none, is refused (before anything loads or is decoded)."""
-        self._load()
-
     def begin(self) -> None:
         """Write the file: the run's options, then what `resume` read (nothing for a fresh run),
         in a directory made if missing."""
@@ -59,7 +54,9 @@ class Checkpoint:
         """The tables are written: the partial file is no longer needed."""
         self.path.unlink(missing_ok=True)
 
-    def _load(self) -> None:
+    def resume(self) -> None:
+        """Read the measured prompts of the file the same run left; nothing is written. A file
+        of another run, or none, is refused (before anything loads or is decoded)."""
         if not self.path.is_file():
             raise InvalidOptionError(f"--resume: {self.path} does not exist (no run to resume in "
                                      f"{self.path.parent}; run without --resume)")

@@ -7,8 +7,9 @@
 
 Writes `results.md` (tables), `results.json` (every decode, the machine, the command) and
 `speedup.png` / `acceptance.png` into `--out`, and while it runs `partial.jsonl`, each finished
-prompt's records, from which `--resume` goes on after a stop (`checkpoint.py`). The anchors run in their own environment
-(`scripts/setup_anchors.sh`); when it is missing they are reported as unavailable.
+prompt's records, from which `--resume` goes on after a stop (`checkpoint.py`). The anchors run
+in their own environment (`scripts/setup_anchors.sh`); when it is missing they are reported as
+unavailable.
 """
 
 from __future__ import annotations
@@ -166,14 +167,15 @@ def main(argv: list[str] | None = None) -> int:
             args.questions, split=args.split, per_category=args.per_category or None, categories=cats))
         needs_draft = any("draft-model" in m.drafter for m in methods)
         model_dir = model_arg(args.model)
+        config = BenchConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             repeats=args.repeats, ngram_size=args.ngram_size,
+                             max_draft_len=args.max_draft_len, seed=args.seed)
         out = Path(args.out)
         checkpoint = Checkpoint(out, {
-            "model": str(model_dir.resolve()), "draft": args.draft, "providers": args.providers,
-            "threads": args.threads, "questions": args.questions, "split": args.split,
-            "per_category": args.per_category, "categories": args.categories,
-            "methods": [m.name for m in methods], "max_new_tokens": args.max_new_tokens,
-            "temperature": args.temperature, "repeats": args.repeats, "ngram_size": args.ngram_size,
-            "max_draft_len": args.max_draft_len, "seed": args.seed, "anchors": args.anchors})
+            **vars(config), "model": str(model_dir.resolve()), "draft": args.draft,
+            "providers": args.providers, "threads": args.threads, "questions": args.questions,
+            "split": args.split, "per_category": args.per_category, "categories": args.categories,
+            "methods": [m.name for m in methods], "anchors": args.anchors})
         if args.resume:
             checkpoint.resume()
         model = load_model(model_dir, providers=providers_arg(args.providers),
@@ -188,9 +190,6 @@ def main(argv: list[str] | None = None) -> int:
     except OrtspecError as e:
         print(f"ortspec bench: error: {e}", file=sys.stderr)
         return 2
-    config = BenchConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                         repeats=args.repeats, ngram_size=args.ngram_size,
-                         max_draft_len=args.max_draft_len, seed=args.seed)
     done = checkpoint.done
     print(f"{len(prompts)} prompts ({args.split} split), methods {[m.name for m in methods]}, "
           f"temperature {args.temperature}, {args.max_new_tokens} new tokens"
