@@ -50,8 +50,9 @@ STAGES = ("load", "build", "save", "validate", "checksums")
 # 2: the batch axis is dynamic (B rows, each its own valid length); 3: the LM head runs on the
 # rows the `logit_rows` input names only; 4: the window flavour attends with two MatMuls per KV head
 # over its whole group of query heads (no padded query at G >= 2); 5: the window flavour packs
-# its tokens (the `token_rows` input)
-EXPORTER_REVISION = 5
+# its tokens (the `token_rows` input); 6: quantized layers run on flat rows, the block-min
+# offsets added by one Gemm
+EXPORTER_REVISION = 6
 # the providers each graph flavour is built for (see runtime/providers.py): ORT's CUDA GQA
 # kernel is fp16/bf16 only and TensorRT does not import GQA; standard ONNX ops run anywhere
 GRAPH_PROVIDERS = {("gqa", "fp32"): "CPUExecutionProvider",

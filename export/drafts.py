@@ -57,7 +57,7 @@ from .validate import TOLERANCES, Bound, Tolerances, check_logits, run_graph, va
 
 DRAFTS_DIR = "drafts"
 DRAFT_OF = ".."  # a draft's manifest names its target relative to itself
-DRAFT_REVISION = 2  # bumped whenever a draft's graph changes; ensure_default_draft re-exports
+DRAFT_REVISION = 3  # bumped whenever a draft's graph changes; ensure_default_draft re-exports
 MIN_AGREEMENT = 0.3  # of a quantized draft with its target, on the validation prompt
 LINEAR = ("q", "k", "v", "o", "gate", "up", "down")
 

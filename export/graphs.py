@@ -93,6 +93,16 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
         context = flavour.preamble(b)
         # [B, S, hidden], or packed: [M, hidden], the positions token_rows names
         x = b.embedding(pack_tokens(b, context) if flavour.packed else mf.INPUT_IDS)
+        # quantized layers run on rows [B * S, hidden] (the block-min offsets are a Gemm, which
+        # is 2-D); only the attention sees [B, S, ...]
+        flat = options.quant is not None and not flavour.packed
+        if flat:
+            x = b.g.op1("Reshape", [x, b.g.const("shape_rows_hidden",
+                                                 np.array([-1, spec.hidden_size], np.int64))])
+            grid_qkv = b.g.op1("Concat", [b.g.op1("Shape", [mf.INPUT_IDS]), b.g.const(
+                f"width_{spec.qkv_dim}", np.array([spec.qkv_dim], np.int64))], axis=0)
+            attn_rows = b.g.const("shape_rows_attn",
+                                  np.array([-1, spec.num_heads * spec.head_dim], np.int64))
         if spec.embed_scale != 1.0:  # Gemma: times sqrt(hidden), in the weights' dtype
             x = b.g.op1("Mul", [x, b.g.const("embed_scale", np.array(
                 spec.embed_scale, NUMPY_DTYPES[options.dtype]))])
@@ -102,7 +112,11 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
             h, residual = b.norm(x, residual, p + "attn_norm")
             qkv = b.linear(h, [p + "q", p + "k", p + "v"],
                            [p + "q_bias", p + "k_bias", p + "v_bias"], fused=p + "qkv")
+            if flat:
+                qkv = b.g.op1("Reshape", [qkv, grid_qkv])  # [B, S, qkv_dim]
             attn = flavour.attention(b, i, qkv, context)  # [B, S | M, heads * head_dim]
+            if flat:
+                attn = b.g.op1("Reshape", [attn, attn_rows])  # [B * S, heads * head_dim]
             o = b.linear(attn, [p + "o"], [p + "o_bias"])
             if spec.sandwich_norms:
                 o, _ = b.norm(o, None, p + "post_attn_norm")

@@ -24,9 +24,10 @@ Three schemes, all `quantize_blockwise(w, ...)`:
   weights dequantize bit for bit to the target's float32 weights (and its Q8_0 embedding
   through "symmetric" at 8 bits likewise), where "zero-point" misses by a quarter step on
   average. The extra product is [n_blocks, N] floats, 1/K of the
-  weight's elements, but it is two more graph nodes per product (a MatMul and an Add) and one
-  per input (the block sums, a MatMul with a 0/1 block indicator; measured 4% faster a step than
-  Reshape + ReduceSum on SmolLM2-135M's int4 graph).
+  weight's elements, but it is one more graph node per product (a Gemm whose C is
+  MatMulNBits' output, so the sum is part of it: 0.91x the step time of a MatMul and an Add on
+  SmolLM2-135M's int4 draft) and one per input (the block sums, a MatMul with a 0/1 block
+  indicator; measured 4% faster a step than Reshape + ReduceSum there).
 - "zero-point": the range widened to include 0 and an integer zero point round(-min / scale),
   onnxruntime's own quantizer's choice: no extra product, but the grid is shifted by up to
   half a step against the block's values, which for Q4_1 weights re-rounds every element

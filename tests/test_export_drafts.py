@@ -167,8 +167,11 @@ def test_int4_draft_uses_matmul_nbits_and_shares_the_8_bit_table(target_dir):
     ops = _graph_ops(d)
     assert {"MatMulNBits", "GatherBlockQuantized", "GroupQueryAttention"} <= ops
     model = onnx.load(str(d / "model.onnx"), load_external_data=False)
-    # no float head, no float table: the one Gather picks the hidden rows logit_rows names
-    assert "Gemm" not in ops
+    # no float head, no float table: the one Gather picks the hidden rows logit_rows names,
+    # and the Gemms are the layers' block-min offsets (the 8-bit head has none), on flat rows
+    gemms = [n for n in model.graph.node if n.op_type == "Gemm"]
+    assert len(gemms) == 4 * LAYERS and all(n.input[1].endswith(".offsets") for n in gemms)
+    assert "Add" not in ops
     assert [list(n.input)[1] for n in model.graph.node if n.op_type == "Gather"] == [
         mf.LOGIT_ROWS]
     nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
