@@ -56,7 +56,8 @@ class OrtDecoder:
     """A target (or draft) model with a KV cache, run by ONNX Runtime.
 
     forward_token uses the `step` entry point, forward_batch the `verify` one (in chunks of
-    at most `prefill_chunk` tokens when given more, e.g. for a prompt). `ort_seconds` and
+    at most `prefill_chunk` tokens when given more), prefill too (in chunks of `prompt_chunk`,
+    which a graph computing the last row's logits alone allows longer). `ort_seconds` and
     `ort_calls` count the time spent inside `run_with_iobinding` and the calls made.
 
     `OrtDecoder(model_dir, ...)` opens sessions of its own; `OrtDecoder.on(sessions)` makes
@@ -97,6 +98,7 @@ class OrtDecoder:
         self.capacity: int = s.capacity
         self.max_verify_len: int = s.max_verify_len
         self.prefill_chunk: int = s.prefill_chunk
+        self.prompt_chunk: int = s.prompt_chunk  # prefill's calls (the last row's logits only)
         self.providers: list[str] = s.providers
         self.kv_mode: str = s.kv_mode
         self._length = 0
@@ -120,13 +122,14 @@ class OrtDecoder:
         del zeros
         self._current = 0  # the KV set that holds the cache (ping-pong flips it after each run)
 
-        longest = s.longest_call
-        self._ids = np.zeros(longest, np.int64)  # [longest] staging for input_ids
+        longest = s.longest_call  # rows of logits a call may return
+        staged = max(longest, s.prompt_chunk)
+        self._ids = np.zeros(staged, np.int64)  # [staged] staging for input_ids
         self.min_call_rows: int = s.min_call_rows
         rows = s.kv_shape[2]  # the buffers' capacity (one more than self.capacity when padding)
         self._mask = np.ones(rows, np.int64)  # [rows], sliced to [1, length + S]
         self._positions = np.arange(rows, dtype=np.int64)  # for graphs with position_ids
-        self._all_rows = np.arange(longest, dtype=np.int64)  # flat positions, for logit_rows
+        self._all_rows = np.arange(staged, dtype=np.int64)  # flat positions, for logit_rows
         self._logits = np.empty(longest * self.vocab_size, np.float32)  # [longest * vocab]
         # (N, taken) -> view of _logits as [N, vocab] (taken: logit_rows) or [1, N, vocab]
         self._logit_values: dict[tuple[int, bool], ort.OrtValue] = {}
@@ -199,14 +202,14 @@ class OrtDecoder:
         return _Owned(self._busy, self)
 
     def _chunks(self, ids: np.ndarray, *, last_only: bool = False):
-        """Feed `ids` in calls of at most `prefill_chunk` tokens, yielding (offset, logits view:
-        each chunk's rows, or its last row only); all or nothing: a failure rolls the cache back
-        to where it started."""
+        """Feed `ids` in calls of at most `prefill_chunk` tokens (`prompt_chunk` when only the
+        last row's logits are wanted), yielding (offset, logits view: each chunk's rows, or its
+        last row only); all or nothing: a failure rolls the cache back to where it started."""
         start = self._length
+        chunk = self.prompt_chunk if last_only else self.prefill_chunk
         try:
-            for lo in range(0, len(ids), self.prefill_chunk):
-                yield lo, self._run("verify", ids[lo:lo + self.prefill_chunk], copy=False,
-                                    last_only=last_only)
+            for lo in range(0, len(ids), chunk):
+                yield lo, self._run("verify", ids[lo:lo + chunk], copy=False, last_only=last_only)
         except BaseException:
             self._length = start
             raise

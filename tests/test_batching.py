@@ -35,7 +35,7 @@ from ortspec.runtime.errors import NonFiniteLogitsError
 from ortspec.runtime.graph_io import TOKEN_ROWS, call_width, logit_rows_for, token_rows_for
 from ortspec.runtime.sampling import DraftBlock
 from stats_helpers import assert_matches_marginals
-from test_decode import SMALL, exact_marginals
+from helpers_decode import SMALL, exact_marginals
 
 GREEDY = ReferenceConfig(vocab_size=24, d_model=32, n_layers=2, n_heads=4, capacity=160,
                          logit_scale=4.0, seed=1)

@@ -24,45 +24,11 @@ from ortspec.runtime import (
     speculative_decode_with,
     warp,
 )
+from helpers_decode import GREEDY, SAMPLING_CASES, SMALL, assert_greedy_identity, cost_policy, \
+    exact_marginals, greedy_prompts
 from stats_helpers import assert_matches_distribution, assert_matches_marginals, count_speculative_tokens
 
 # -- exact marginals ----------------------------------------------------------------------------
-
-
-def exact_marginals(decoder, prompt, n, *, temperature, top_k=None, top_p=None):
-    """Per-position marginals of n sampled tokens, and the joint of the first two, enumerated
-    exactly over every prefix (vocab^(n-1) of them) with the shared warping function."""
-    vocab = decoder.vocab_size
-    marginals = [np.zeros(vocab) for _ in range(n)]
-    joint2 = np.zeros((vocab, vocab))
-
-    def walk(prefix, prob):
-        decoder.reset()
-        logits = decoder.forward_batch(list(prompt) + list(prefix))[-1]
-        p = warp(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-        depth = len(prefix)
-        marginals[depth] += prob * p
-        if depth == 1:
-            joint2[prefix[0]] += prob * p
-        if depth + 1 < n:
-            for t in np.flatnonzero(p > 0):
-                walk(prefix + [int(t)], prob * p[t])
-
-    walk([], 1.0)
-    return marginals, joint2.reshape(-1)
-
-
-SMALL = ReferenceConfig(vocab_size=5, d_model=16, n_layers=2, n_heads=2, capacity=16, logit_scale=1.5, seed=4)
-SAMPLING_CASES = {
-    "t1.0": dict(temperature=1.0),
-    "t0.7-topk3": dict(temperature=0.7, top_k=3),
-    "t1.5-topp0.8": dict(temperature=1.5, top_p=0.8),
-}
-
-
-def _policy():
-    """The cost-model policy with a CPU-like cost curve: it varies k from step to step."""
-    return AdaptiveDraftLength(CostCurve((1.0, 1.12, 1.25, 1.4)))
 
 
 def _drafter(name, vocab):
@@ -87,7 +53,7 @@ def test_speculative_decode_at_temperature_matches_plain_sampling(case, drafter_
     prompt, n_new, n_runs = [1, 3, 1, 3], 4, 8000
     marginals, joint2 = exact_marginals(decoder, prompt, n_new, **kw)
     drafter = _drafter(drafter_name.split("+")[0], SMALL.vocab_size)
-    policy = _policy() if drafter_name.endswith("+policy") else None
+    policy = cost_policy() if drafter_name.endswith("+policy") else None
     counts, joint_counts, accepted, drafted = count_speculative_tokens(
         decoder, prompt, drafter, kw, n_new=n_new, n_runs=n_runs, policy=policy)
     # the drafts must have been exercised both ways, or the test proves nothing
@@ -127,7 +93,7 @@ class _FixedRates:
 
 
 def test_the_cost_aware_composition_drafts_with_the_drafter_the_policy_rates_higher():
-    history = next(_greedy_prompts())  # ends with a 4-token repeat: prompt lookup has a block
+    history = next(greedy_prompts())  # ends with a 4-token repeat: prompt lookup has a block
     lookup = PromptLookupSpeculator(ngram_size=3, max_draft_len=4)
     lookup_block = lookup.propose(history, 4)
     lookup_key = (lookup_block.source, lookup_block.match_len)
@@ -163,33 +129,6 @@ def test_plain_sampling_matches_the_exact_marginals():
 
 # -- greedy identity ----------------------------------------------------------------------------
 
-GREEDY = ReferenceConfig(vocab_size=24, d_model=32, n_layers=2, n_heads=4, capacity=256, logit_scale=4.0, seed=1)
-
-
-def assert_greedy_identity(decoder, drafters, new_tokens: int = 60) -> tuple[int, int]:
-    """Each drafter, with and without the cost model, decodes each greedy prompt exactly as plain
-    decoding does; returns the (accepted, rejected) drafts over all of them."""
-    accepted = rejected = 0
-    for prompt in _greedy_prompts():
-        options = SpeculativeOptions(new_tokens)
-        reference = plain_decode(decoder, prompt, options)
-        assert reference.counters.forward_token_calls == new_tokens
-        for drafter, policy in itertools.product(drafters, (None, _policy())):
-            res = speculative_decode_with(decoder, prompt, drafter, options, draft_length=policy)
-            assert res.tokens == reference.tokens, type(drafter).__name__
-            assert res.counters.emitted == len(res.tokens) == new_tokens
-            accepted += res.counters.accepted
-            rejected += res.counters.rejected
-    return accepted, rejected
-
-
-def _greedy_prompts():
-    rng = np.random.default_rng(8)
-    for _ in range(6):
-        motif = rng.integers(0, GREEDY.vocab_size, size=6).tolist()
-        yield motif + rng.integers(0, GREEDY.vocab_size, size=10).tolist() + motif[:4]
-
-
 @pytest.mark.parametrize("max_verify_len", [None, 3])
 def test_speculative_decode_matches_greedy_token_for_token(max_verify_len):
     """Temperature 0: identical to a forward_token loop, whatever the drafter proposes."""
@@ -215,7 +154,7 @@ def test_a_windowed_draft_reads_the_last_context_tokens_only():
     drafts exactly what a draft shown only those W tokens drafts; when the cache would overflow
     it starts again from the last W tokens."""
     cfg = ReferenceConfig(**{**GREEDY.__dict__, "seed": 2, "capacity": 20})
-    history = next(_greedy_prompts())  # 20 tokens
+    history = next(greedy_prompts())  # 20 tokens
     windowed = DraftModelDrafter(ReferenceDecoder(cfg), max_draft_len=4, context=6)
     whole = DraftModelDrafter(ReferenceDecoder(cfg), max_draft_len=4)
     for d in (windowed, whole):
@@ -235,14 +174,14 @@ def test_a_windowed_draft_reads_the_last_context_tokens_only():
 
 def test_the_thin_wrapper_is_greedy_prompt_lookup():
     decoder = ReferenceDecoder(GREEDY)
-    for prompt in _greedy_prompts():
+    for prompt in greedy_prompts():
         ref = plain_decode(decoder, prompt, SpeculativeOptions(40))
         assert speculative_decode(decoder, prompt, 40).tokens == ref.tokens
 
 
 def test_a_drafter_equal_to_the_target_accepts_everything():
     target = ReferenceDecoder(GREEDY)
-    prompt = next(_greedy_prompts())
+    prompt = next(greedy_prompts())
     for temperature in (0.0, 1.0):
         drafter = DraftModelDrafter(ReferenceDecoder(GREEDY), max_draft_len=4, target=target)
         res = speculative_decode_with(target, prompt, drafter, SpeculativeOptions(50, temperature=temperature, seed=3))
@@ -254,7 +193,7 @@ def test_a_drafter_equal_to_the_target_accepts_everything():
 
 def test_an_empty_drafter_reproduces_plain_decoding_with_the_same_seed():
     decoder = ReferenceDecoder(GREEDY)
-    prompt = next(_greedy_prompts())
+    prompt = next(greedy_prompts())
     for seed in range(5):
         o = SpeculativeOptions(30, temperature=1.0, top_p=0.9, seed=seed)
         a = plain_decode(decoder, prompt, o)
@@ -265,7 +204,7 @@ def test_an_empty_drafter_reproduces_plain_decoding_with_the_same_seed():
 
 def test_seeded_runs_repeat_exactly():
     decoder = ReferenceDecoder(GREEDY)
-    prompt = next(_greedy_prompts())
+    prompt = next(greedy_prompts())
 
     def run(seed):
         return speculative_decode_with(
@@ -280,7 +219,7 @@ def test_seeded_runs_repeat_exactly():
 def test_top_k_and_top_p_outputs_stay_in_the_allowed_set():
     decoder = ReferenceDecoder(GREEDY)
     check = ReferenceDecoder(GREEDY)
-    prompt = next(_greedy_prompts())
+    prompt = next(greedy_prompts())
     for kw in (dict(top_k=2), dict(top_p=0.5)):
         for seed in range(20):
             res = speculative_decode_with(
@@ -298,7 +237,7 @@ def test_top_k_and_top_p_outputs_stay_in_the_allowed_set():
 
 def test_a_stop_token_inside_an_accepted_block_ends_the_decode_there():
     decoder = ReferenceDecoder(GREEDY)
-    prompt = next(_greedy_prompts())
+    prompt = next(greedy_prompts())
     continuation = plain_decode(decoder, prompt, SpeculativeOptions(40)).tokens
     stop_at = 6
     stop = continuation[stop_at]
@@ -319,7 +258,7 @@ def test_a_stop_token_inside_an_accepted_block_ends_the_decode_there():
 def test_capacity_ends_generation_cleanly_with_everything_generated():
     cfg = ReferenceConfig(**{**GREEDY.__dict__, "capacity": 24})
     decoder = ReferenceDecoder(cfg)
-    prompt = next(_greedy_prompts())  # 20 tokens
+    prompt = next(greedy_prompts())  # 20 tokens
     plain = plain_decode(decoder, prompt, SpeculativeOptions(50))
     spec = speculative_decode_with(decoder, prompt, PromptLookupSpeculator(ngram_size=1), SpeculativeOptions(50))
     # the last token is never fed, so prompt + new may reach capacity + 1
@@ -340,7 +279,7 @@ def test_bad_prompts_are_refused_before_decoding():
 
 def test_drafts_that_break_the_contract_are_refused():
     decoder = ReferenceDecoder(GREEDY)
-    prompt = next(_greedy_prompts())
+    prompt = next(greedy_prompts())
     too_long = BadDrafter(DraftBlock.points([1] * 9))
     with pytest.raises(DrafterError, match="at most 8"):
         speculative_decode_with(decoder, prompt, too_long, SpeculativeOptions(10, max_draft_len=8))
@@ -354,7 +293,7 @@ def test_drafts_that_break_the_contract_are_refused():
 
 def test_counters_add_up():
     decoder = ReferenceDecoder(GREEDY)
-    for prompt, (temperature, seed) in zip(_greedy_prompts(), itertools.product((0.0, 1.0), range(3))):
+    for prompt, (temperature, seed) in zip(greedy_prompts(), itertools.product((0.0, 1.0), range(3))):
         res = speculative_decode_with(
             decoder, prompt, RandomDrafter(GREEDY.vocab_size, 4, seed=seed),
             SpeculativeOptions(37, temperature=temperature, seed=seed),

@@ -20,8 +20,8 @@ from ortspec.runtime.drafters.continuations import ContinuationIndex
 from ortspec.runtime.drafters.ngram_counts import NgramCountsDrafter
 from ortspec.runtime.drafters.target_cache import TargetCacheDrafter, sparse_target
 from stats_helpers import assert_matches_distribution, assert_matches_marginals, count_speculative_tokens
-from test_decode import GREEDY, SAMPLING_CASES, SMALL, _greedy_prompts, _policy, \
-    assert_greedy_identity, exact_marginals
+from helpers_decode import GREEDY, SAMPLING_CASES, SMALL, assert_greedy_identity, cost_policy, \
+    exact_marginals, greedy_prompts
 
 # words as token ids
 THE, CAT, SAT, DOT, RAN, ON, MAT = range(7)
@@ -81,7 +81,7 @@ def test_decodes_with_a_sampled_q_match_plain_sampling(case, drafter_name):
     marginals, joint2 = exact_marginals(decoder, prompt, n_new, **kw)
     inner = NEW_DRAFTERS[drafter_name.split("+")[0]]()
     drafter = Counting(inner)
-    policy = _policy() if drafter_name.endswith("+policy") else None
+    policy = cost_policy() if drafter_name.endswith("+policy") else None
     counts, joint_counts, accepted, drafted = count_speculative_tokens(
         decoder, prompt, drafter, kw, n_new=n_new, n_runs=n_runs, policy=policy)
     # the drafts must have been exercised both ways, with spread q's, or the test proves nothing
@@ -128,7 +128,7 @@ class Recording(RandomDrafter):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_the_loop_hands_the_drafter_the_target_rows_of_exactly_the_emitted_positions(temperature):
     decoder = ReferenceDecoder(GREEDY, max_verify_len=4)
-    prompt = next(_greedy_prompts())
+    prompt = next(greedy_prompts())
     drafter = Recording(GREEDY.vocab_size, 5, seed=3)
     res = speculative_decode_with(decoder, prompt, drafter, SpeculativeOptions(40, temperature=temperature, seed=1))
     # one call per target call, covering every new position once, in order, nothing else (not the

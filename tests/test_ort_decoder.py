@@ -155,6 +155,20 @@ def test_a_graph_computing_every_row_decodes_alike(tiny, tmp_path):
         assert np.abs(a - b).max() <= 1e-5
 
 
+def test_prefill_reads_a_prompt_in_chunks_of_its_own(decoder):
+    """prefill needs the last row's logits only, so its calls may be longer than forward_batch's
+    (whose every row comes back): fewer calls, the same logits."""
+    assert decoder.prompt_chunk >= decoder.prefill_chunk
+    decoder.prefill_chunk, decoder.prompt_chunk = VERIFY, 2 * VERIFY
+    whole = decoder.forward_batch(TOKENS)  # 14 tokens: 4 + 4 + 4 + 2
+    decoder.reset()
+    calls = decoder.ort_calls
+    last = decoder.prefill(TOKENS)  # 8 + 6
+    assert decoder.ort_calls - calls == 2 and decoder.length == len(TOKENS)
+    assert np.abs(last - whole[-1]).max() <= 1e-4
+    assert decoder.forward_token(TOKENS[0]).shape == (decoder.vocab_size,)
+
+
 def test_kv_buffers_are_updated_in_place(decoder):
     assert decoder.kv_mode == "shared" and len(decoder._kv_sets) == 1
     buffers = decoder._kv_sets[0]
