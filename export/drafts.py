@@ -111,10 +111,10 @@ def draft_options(quant: str | None, layers: int | None, *, attention: str = "gq
     if layers is not None:
         layers = check_int("draft_layers", layers, minimum=1, error=DraftOptionError,
                            what=" (and at most the model's layer count)")
-    if quant is not None and attention != "gqa":
+    if quant is not None and attention == "standard":
         raise DraftOptionError(f"a {quant} draft uses onnxruntime's MatMulNBits (a "
-                               f"com.microsoft op), which needs attention='gqa'; a layer-skip "
-                               f"draft (draft_layers) works with {attention!r}")
+                               f"com.microsoft op), which needs attention='gqa' or 'window'; a "
+                               f"layer-skip draft (draft_layers) works with {attention!r}")
     if quant is None and layers is None:
         return None
     return DraftOptions(quant=quant, layers=layers)
@@ -161,7 +161,11 @@ def build_draft(directory: Path, checkpoint, target: mf.Manifest, options: Draft
                     directory / target.tokenizer)
     manifest = dataclasses.replace(
         target, architecture=draft_spec.architecture(), files={}, draft_of=DRAFT_OF,
-        min_call_rows=1,  # a draft's rows need not equal its steps: q is what it computed
+        # a draft's rows need not equal its steps for the output to follow the target (q is
+        # what it computed); the batched flavour's are padded as its target's are, so that a
+        # row drafts the same whatever shares its call, and a seeded request repeats its solo
+        # run (export/api.py's min_call_rows)
+        min_call_rows=2 if attention == "window" else 1,
         extra={"exporter_revision": target.extra.get("exporter_revision"),
                "draft": options.record(spec.num_layers),
                "attention": target.extra.get("attention"), "opset": opset,

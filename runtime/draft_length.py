@@ -211,6 +211,10 @@ class CostCorrection:
         """A decoder of its own: its calls emit nothing for other requests."""
         return 0.0
 
+    def draft_step(self, solo: float) -> float:
+        """A decoder of its own drafts on a draft of its own: `solo` as measured."""
+        return solo
+
 
 class CallCosts(Protocol):
     """What a policy prices a block with: c'(1) .. c'(n_max), learned from timed calls or not."""
@@ -220,6 +224,8 @@ class CallCosts(Protocol):
     def observe(self, n_tokens: int, seconds: float) -> None: ...
 
     def others(self) -> float: ...  # tokens the call emits for other requests (0: a call of its own)
+
+    def draft_step(self, solo: float) -> float: ...  # a draft step's seconds (solo: its own call)
 
 
 class BatchCosts:
@@ -231,8 +237,9 @@ class BatchCosts:
     c(B, k + 1). Nothing is learned from a row's timed calls: their wall time includes waiting
     for the other rows."""
 
-    def __init__(self, surface: CostSurface, rows: Callable[[], int]) -> None:
-        self.surface, self._rows = surface, rows
+    def __init__(self, surface: CostSurface, rows: Callable[[], int], *,
+                 draft: CostSurface | None = None) -> None:
+        self.surface, self._rows, self.draft = surface, rows, draft
 
     def costs(self, n_max: int) -> np.ndarray:  # [n_max]
         return np.array(self.surface.curve(self._rows(), n_max).seconds)
@@ -242,6 +249,12 @@ class BatchCosts:
 
     def others(self) -> float:
         return float(self._rows() - 1)
+
+    def draft_step(self, solo: float) -> float:
+        """A draft model that batches its rows' steps too (`draft`, its surface of one-token
+        calls) costs its call at the rows decoding now, d(B, 1): at 4 rows the int4 draft of
+        SmolLM2-135M takes 0.72x the fp32 target's call there, against 0.45x alone."""
+        return solo if self.draft is None else self.draft.cost(self._rows(), 1)
 
 
 class AdaptiveDraftLength:
@@ -281,6 +294,11 @@ class AdaptiveDraftLength:
             acceptance=self.acceptance.for_request(), learn_costs=False, correction=costs,
             chosen=self.chosen)
 
+    def _draft_step(self) -> float:
+        """Seconds one drafted token's draft step costs: the draft's step as measured against
+        the target's, or, in a batch whose draft batches too, its call at the current rows."""
+        return self.correction.draft_step(self.draft_step_seconds)
+
     def _best(self, a: np.ndarray, per_draft: float) -> int:
         return int(np.argmax(self._rates(a, per_draft)))
 
@@ -295,7 +313,7 @@ class AdaptiveDraftLength:
         step. What a composite drafter compares its drafters by, before either drafts."""
         self.acceptance.learn_prior(key, prior)
         a = self.acceptance.estimates(key, k_max)
-        return float(np.max(self._rates(a, self.draft_step_seconds if paid else 0.0)))
+        return float(np.max(self._rates(a, self._draft_step() if paid else 0.0)))
 
     def limit(self, k_max: int, *, key: tuple[str, int], prior: float | None) -> int:
         """How many tokens a model drafter should draft (it pays `draft_step_seconds` each);
@@ -304,7 +322,7 @@ class AdaptiveDraftLength:
             return k_max
         self.acceptance.learn_prior(key, prior)
         a = self.acceptance.estimates(key, k_max)
-        k = self._best(a, self.draft_step_seconds)
+        k = self._best(a, self._draft_step())
         if k == 0:  # keep learning: without drafts the estimate could never recover
             self._skipped += 1
             if self._skipped % EXPLORE_EVERY == 0:

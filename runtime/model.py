@@ -25,7 +25,7 @@ from typing import Any, Generator, Iterator, Sequence
 from . import manifest as mf
 from .counters import DecodeCounters
 from .batch_backend import OrtBatchBackend
-from .batching import BatchRunner
+from .batching import BatchRow, BatchRunner
 from .calibration import CalibrationKey, CostSurface, calibrated_cost_curve, \
     calibrated_cost_surface, step_cost_ratio
 from .decode import (
@@ -88,9 +88,18 @@ class Model:
             backend = OrtBatchBackend(sessions, max_rows=max_concurrent)
             self.runner = BatchRunner(backend, max_verify_len=sessions.max_verify_len)
             max_concurrent = backend.max_rows
+        # a draft whose graph takes several rows batches the requests' draft steps likewise
+        self.draft_runner: BatchRunner | None = None
+        if self.runner is not None and draft_sessions is not None \
+                and draft_sessions.manifest.max_batch > 1:
+            draft_backend = OrtBatchBackend(draft_sessions, max_rows=max_concurrent)
+            self.draft_runner = BatchRunner(draft_backend,
+                                            max_verify_len=draft_sessions.max_verify_len)
+            max_concurrent = min(max_concurrent, draft_backend.max_rows)
         self.slots = SlotPool(self._new_slot, max_slots=max_concurrent, when_busy=when_busy,
                               timeout=busy_timeout)
         self._surface: CostSurface | None = None
+        self._draft_surface: CostSurface | None = None  # the draft runner's, when it batches
         self._lock = threading.Lock()  # guards the lazily made own decoders
         self._policy_lock = threading.Lock()  # held while the shared policy is made
         self._policy: AdaptiveDraftLength | None = None
@@ -143,8 +152,10 @@ class Model:
             check_draft_context(spec.draft_context, capacity=self.draft_sessions.capacity,
                                 follows=self.draft_shares_kv, name="draft_context")
 
-    def _draft_for(self, target: OrtDecoder | Any) -> OrtDecoder:
+    def _draft_for(self, target: OrtDecoder | Any) -> OrtDecoder | BatchRow:
         assert self.draft_sessions is not None
+        if self.draft_runner is not None:
+            return self.draft_runner.row()
         if self.draft_shares_kv:
             return OrtDecoder.sharing_kv(self.draft_sessions, target)
         return OrtDecoder.on(self.draft_sessions)
@@ -265,6 +276,13 @@ class Model:
                     lambda backend, floors: calibrated_cost_surface(
                         backend, key, max_len=self.runner.max_verify_len, floors=floors,
                         refresh=refresh))
+            if self.draft_runner is not None:  # its one-token calls by rows: d(B, 1)
+                d = self.draft_sessions
+                draft_key = CalibrationKey(str(d.model_dir), d.graph_digest, tuple(d.providers),
+                                           d.intra_op_threads, d.min_call_rows)
+                self._draft_surface = self.draft_runner.exclusive(
+                    lambda backend, floors: calibrated_cost_surface(
+                        backend, draft_key, max_len=1, floors=floors, refresh=refresh))
             self._policy = AdaptiveDraftLength(curve, draft_step_seconds=draft_cost)
             return self._policy
 
@@ -277,7 +295,8 @@ class Model:
             return shared.for_seeded_request()  # the seed fixes the output
         if self.runner is not None and self._surface is not None:
             runner = self.runner
-            return shared.for_batch_row(BatchCosts(self._surface, lambda: runner.active_rows))
+            return shared.for_batch_row(BatchCosts(self._surface, lambda: runner.active_rows,
+                                                   draft=self._draft_surface))
         return shared.for_request()
 
     def _check_request(self, drafter: Any, draft_length: Any) -> None:

@@ -33,12 +33,13 @@ WHEN_BUSY = ("wait", "error")
 @dataclasses.dataclass
 class DecodeSlot:
     decoder: OrtDecoder | BatchRow  # a row of the model's batch when it batches
-    draft: OrtDecoder | None = None
+    draft: OrtDecoder | BatchRow | None = None  # a row of the draft's batch when it batches
 
     def end_request(self) -> None:
         """The request on this slot is over: a batch row gives its row of the KV pool back."""
-        if isinstance(self.decoder, BatchRow):
-            self.decoder.release()
+        for decoder in (self.decoder, self.draft):
+            if isinstance(decoder, BatchRow):
+                decoder.release()
 
 
 class SlotPool:

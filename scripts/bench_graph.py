@@ -81,6 +81,7 @@ def genai_decoder(directory: Path, like: mf.Manifest, threads: int | None) -> Or
     graph = dec["filename"]
     manifest = dataclasses.replace(
         like, architecture=arch, source={"kind": "genai", "path": str(directory)},
+        min_call_rows=1,  # genai runs a step as one row
         entry_points={name: dataclasses.replace(e, graph=graph, provider="any")
                       for name, e in like.entry_points.items()},
         files={})

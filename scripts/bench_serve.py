@@ -73,14 +73,16 @@ CHAT_PROMPTS = [
 ]
 
 
-def load_prompts(kind: str, *, per_category: int) -> list[str]:
-    """The user messages a run sends, in the order requests take them."""
+def load_prompts(kind: str, *, per_category: int,
+                 categories: list[str] | None = None) -> list[str]:
+    """The user messages a run sends, in the order requests take them (`categories`: those of
+    the Spec-Bench dev split kept, all when None)."""
     if kind == "chat":
         return list(CHAT_PROMPTS)
     from ortspec.bench.workload import interleave_categories, load_questions
 
-    return [q.text for q in interleave_categories(load_questions(split="dev",
-                                                                 per_category=per_category))]
+    return [q.text for q in interleave_categories(load_questions(
+        split="dev", per_category=per_category, categories=categories))]
 
 
 def _client(url: str):
@@ -317,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
                          "category, categories interleaved")
     ap.add_argument("--per-category", type=int, default=4,
                     help="Spec-Bench questions per category with --prompts spec-bench-dev")
+    ap.add_argument("--categories",
+                    help="with --prompts spec-bench-dev: the categories kept (comma-separated, "
+                         "e.g. multi-turn,translation,qa,math_reasoning; default all)")
     ap.add_argument("--seed", type=int, default=0, help="shuffles the order of each round")
     ap.add_argument("--out", help="directory for results.json, results.md and throughput.png")
     args = ap.parse_args(argv)
@@ -325,7 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.url and len(drafters) != 1:
         raise SystemExit("--url serves one drafter: give --drafters with one name")
     model_dir = model_arg(args.model)
-    prompts = load_prompts(args.prompts, per_category=args.per_category)
+    categories = None if args.categories is None else \
+        [c.strip() for c in args.categories.split(",") if c.strip()]
+    if categories is not None and args.prompts != "spec-bench-dev":
+        raise SystemExit("--categories selects Spec-Bench categories: give --prompts spec-bench-dev")
+    prompts = load_prompts(args.prompts, per_category=args.per_category, categories=categories)
     procs: list[subprocess.Popen] = []
     urls: dict[str, str] = {}
     started = time.time()
@@ -396,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     res = {"config": {"model": name, "model_dir": str(model_dir), "drafters": drafters,
                       "concurrency": levels, "requests": args.requests, "rounds": args.rounds,
                       "max_tokens": args.max_tokens, "temperature": 0, "seed": args.seed,
-                      "prompts": args.prompts, "prompt_texts": prompts,
+                      "prompts": args.prompts, "categories": categories, "prompt_texts": prompts,
                       "server_max_concurrent": max(levels), "command": " ".join(sys.argv)},
            "versions": _versions(), "checkout": checkout, "machine": _machine(),
            "started": time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(started)),

@@ -302,6 +302,31 @@ def test_cost_surface_interpolates_and_prices_a_row_by_the_batch():
     assert batched <= solo_view.choose(block)
 
 
+def test_a_batched_draft_is_priced_at_the_rows_that_share_its_call():
+    """A draft model whose steps are batched too costs its call at the rows decoding now:
+    cheap alone, it pays there; as dear as most of the target's call at 4 rows, it does not
+    (k = 0, a plain step), where the solo price would still have drafted."""
+    target = CostSurface(rows=(1, 4), tokens=(1, 2, 8), seconds=((1.0, 1.0, 1.5), (1.5, 1.6, 3.0)))
+    draft = CostSurface(rows=(1, 4), tokens=(1,), seconds=((0.1,), (1.1,)))
+    rows = [1]
+    shared = AdaptiveDraftLength(CostCurve((1.0, 1.0)), draft_step_seconds=0.1)
+    priced = shared.for_batch_row(BatchCosts(target, lambda: rows[0], draft=draft))
+    solo_priced = shared.for_batch_row(BatchCosts(target, lambda: rows[0]))
+    block = DraftBlock.points([1, 2, 3, 4], source="draft_model", match_len=0)
+    for _ in range(40):  # 80% of the drafts accepted
+        priced.observe(block, 4, 3, 1)
+        priced.observe(block, 4, 4, 1)
+    key = ("draft_model", 0)
+    assert priced.limit(4, key=key, prior=None) >= 1
+    assert BatchCosts(target, lambda: 4, draft=draft).draft_step(0.1) == 1.1
+    assert BatchCosts(target, lambda: 4).draft_step(0.1) == 0.1  # a draft of each row's own
+    rows[0] = 4
+    assert priced.limit(4, key=key, prior=None) == 0
+    assert solo_priced.limit(4, key=key, prior=None) >= 1
+    assert priced.rate(4, key=key, prior=None, paid=True) < \
+        solo_priced.rate(4, key=key, prior=None, paid=True)
+
+
 def test_token_rows_give_the_matmuls_two_rows_or_more():
     assert list(token_rows_for(np.array([0]), grid=2, min_rows=2)) == [0, 1]
     assert list(token_rows_for(np.array([3]), grid=4, min_rows=2)) == [0, 3]
@@ -442,6 +467,37 @@ def test_concurrent_requests_on_the_batched_model_give_their_serial_outputs(wind
     assert max(model.runner.stats.rows) >= 2
     greedy = {(q, d): tok for (q, d, t, _), tok in zip(cases, serial, strict=True) if t == 0}
     assert all(greedy[q, "none"] == greedy[q, "prompt-lookup"] for q in questions)
+
+
+@pytest.mark.slow
+def test_a_batched_draft_model_drafts_in_shared_calls_with_every_serial_output():
+    """The fp32 window export's int4 draft (its own flavour: batched too) drafts the
+    concurrent requests' tokens in shared calls of the draft runner. Every greedy output is
+    the plain serial one, and every seeded one (temperature 0.8) the same request's decoded
+    alone on that model: the draft's rows, padded like its target's, are row-invariant too."""
+    from ortspec.export import add_draft, ensure_default_model
+    from ortspec.runtime import load_model
+
+    window_dir = ensure_default_model(attention="window", progress=False)
+    if not (window_dir / "drafts" / "int4").is_dir():
+        add_draft(window_dir, quant="int4", progress=False)
+    solo = load_model(window_dir, max_concurrent=1, batch=False)
+    model = load_model(window_dir, draft=window_dir / "drafts" / "int4", max_concurrent=4)
+    assert model.draft_runner is not None
+    questions = ["Name a fruit.", "Repeat: one two three, one two three.", "What is 3 + 4?",
+                 "List the days of the week.", "Say hello in French.", "Count from 1 to 10."]
+
+    def run(m, q, drafter, temperature=0.0, seed=None):
+        return m.generate(q, chat=True, drafter=drafter, draft_length=None,
+                          options=SpeculativeOptions(24, temperature=temperature,
+                                                     seed=seed)).tokens
+
+    serial = [run(solo, q, "none") for q in questions]
+    assert _in_threads(lambda q: run(model, q, "draft-model"), questions) == serial
+    assert max(model.draft_runner.stats.rows) >= 2  # draft steps shared a call
+    # one request at a time on the same model: each row drafts alone in its calls
+    seeded = [run(model, q, "draft-model", 0.8, 5) for q in questions]
+    assert _in_threads(lambda q: run(model, q, "draft-model", 0.8, 5), questions) == seeded
 
 
 @pytest.mark.slow

@@ -52,3 +52,21 @@ def test_the_serving_benchmark_records_batched_calls_and_serial_outputs(tiny_win
     assert shared["calls"] > 0 and shared["mean_rows"] > 1.0
     assert sum(n for k, n in shared["calls_by_rows"].items() if k != "1") > 0
     assert res["checks"]["spec_over_plain_c4"]["prompt-lookup"]["ratio"] > 0
+
+
+def test_dev_split_prompts_keep_the_categories_asked_for(monkeypatch):
+    import importlib.util
+
+    from ortspec.bench.workload import load_questions
+    from ortspec.runtime.errors import InvalidOptionError
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # as `python scripts/bench_serve.py` has it
+    spec = importlib.util.spec_from_file_location("bench_serve", SCRIPT)
+    bench_serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_serve)
+    category = {q.text: q.category for q in load_questions(split="dev")}
+    got = bench_serve.load_prompts("spec-bench-dev", per_category=2, categories=["qa", "translation"])
+    assert len(got) == 4 and sorted(category[t] for t in got) == ["qa", "qa", "translation", "translation"]
+    assert len(bench_serve.load_prompts("spec-bench-dev", per_category=2)) == 12  # all six
+    with pytest.raises(InvalidOptionError, match="unknown categories"):
+        bench_serve.load_prompts("spec-bench-dev", per_category=2, categories=["poetry"])

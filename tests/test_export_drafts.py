@@ -543,6 +543,26 @@ def test_combined_layer_skip_int4_draft_on_an_untied_qwen2(tmp_path):
     assert v["verify_vs_pytorch"] <= v["bound_vs_pytorch"]
 
 
+def test_an_int4_draft_of_the_batched_flavour_takes_batches_too(llama_src, tmp_path):
+    """A window-attention target (the batched graph) gets an int4 draft in its own flavour:
+    several rows a call like its target, MatMulNBits, within the quantization bound; its
+    steps drafted in shared calls when the model batches (test_batching's real-model test)."""
+    out = export_model(llama_src, out=tmp_path / "t", capacity=CAP, max_verify_len=VERIFY,
+                       attention="window", progress=False, draft_quant="int4")
+    d = out / "drafts" / "int4"
+    m = mf.read_manifest(d)
+    assert m.max_batch == mf.read_manifest(out).max_batch > 1 and m.min_call_rows == 2
+    assert "MatMulNBits" in _graph_ops(d) and "GroupQueryAttention" not in _graph_ops(d)
+    v = m.extra["validation"]
+    assert v["verify_vs_pytorch"] <= v["bound_vs_pytorch"]
+    model = load_model(out, draft=True, max_concurrent=2)
+    assert model.runner is not None and model.draft_runner is not None
+    ids = _ids(12)
+    want = plain_decode(OrtDecoder(out), ids, SpeculativeOptions(10)).tokens
+    assert model.generate(ids, drafter="draft-model", draft_length=None,
+                          options=SpeculativeOptions(10)).tokens == want
+
+
 def test_layer_skip_draft_of_a_standard_attention_target(llama_src, tmp_path):
     """The TensorRT flavour (ONNX ops only) takes layer-skip drafts; only int4 needs gqa."""
     out = export_model(llama_src, out=tmp_path / "t", capacity=CAP, max_verify_len=VERIFY,

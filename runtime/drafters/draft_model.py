@@ -158,7 +158,8 @@ class DraftModelDrafter(DrafterBase):
             self.decoder.reset()
         del fed[common:]
         new = [int(t) for t in history[start + common:]]
-        logits = self.decoder.forward_batch(new)[-1] if len(new) > 1 else self.decoder.forward_token(new[0])
+        # the tokens it has not read yet: only the last one's logits are drafted from
+        logits = self.decoder.prefill(new) if len(new) > 1 else self.decoder.forward_token(new[0])
         self.steps += 1
         self.fed_tokens += len(new)
         fed.extend(new)
