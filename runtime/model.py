@@ -262,9 +262,7 @@ class Model:
             if self._policy is not None and not refresh:
                 return self._policy
             with self.slots.slot() as slot:  # measured on request state, never a running request's
-                key = CalibrationKey(str(self.path), self.sessions.graph_digest,
-                                     tuple(self.sessions.providers), self.sessions.intra_op_threads,
-                                     self.sessions.min_call_rows)
+                key = _calibration_key(self.sessions)
                 curve = calibrated_cost_curve(slot.decoder, key, refresh=refresh)
                 draft_cost = 0.0
                 if slot.draft is not None:
@@ -277,9 +275,7 @@ class Model:
                         backend, key, max_len=self.runner.max_verify_len, floors=floors,
                         refresh=refresh))
             if self.draft_runner is not None:  # its one-token calls by rows: d(B, 1)
-                d = self.draft_sessions
-                draft_key = CalibrationKey(str(d.model_dir), d.graph_digest, tuple(d.providers),
-                                           d.intra_op_threads, d.min_call_rows)
+                draft_key = _calibration_key(self.draft_sessions)
                 self._draft_surface = self.draft_runner.exclusive(
                     lambda backend, floors: calibrated_cost_surface(
                         backend, draft_key, max_len=1, floors=floors, refresh=refresh))
@@ -425,6 +421,12 @@ def _check_pairing(target: mf.Manifest, draft: mf.Manifest, draft_dir: Path) -> 
         )
     if draft.files.get(draft.tokenizer) != target.files.get(target.tokenizer):
         raise InvalidOptionError(f"draft {draft_dir} has a different tokenizer from the target's")
+
+
+def _calibration_key(sessions: OrtSessions) -> CalibrationKey:
+    """What the cost curve or surface measured on these sessions' calls is cached under."""
+    return CalibrationKey(str(sessions.model_dir), sessions.graph_digest, tuple(sessions.providers),
+                          sessions.intra_op_threads, sessions.min_call_rows)
 
 
 def load_model(
