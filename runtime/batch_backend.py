@@ -55,6 +55,16 @@ class BatchBackend(Protocol):
         """Copy row src's first `length` cache positions to row dst."""
         ...
 
+    token_bytes: int  # what `save` takes a cache position
+
+    def save(self, row: int, length: int) -> object:
+        """A copy of row's first `length` cache positions (for `load`, in any row)."""
+        ...
+
+    def load(self, row: int, saved: object, length: int) -> None:
+        """Write the first `length` positions of a `save` copy into row's cache."""
+        ...
+
 
 class OrtBatchBackend:
     """`BatchBackend` over an `OrtSessions` whose verify graph takes B rows (CPU only: the KV
@@ -139,6 +149,17 @@ class OrtBatchBackend:
             buf[dst, :, :length] = buf[src, :, :length]
 
     @property
+    def token_bytes(self) -> int:
+        return sum(b[0, :, 0].nbytes for b in self._kv)
+
+    def save(self, row: int, length: int) -> list[np.ndarray]:  # [kv_heads, length, head_dim] each
+        return [buf[row, :, :length].copy() for buf in self._kv]
+
+    def load(self, row: int, saved: object, length: int) -> None:
+        for buf, part in zip(self._kv, saved, strict=True):  # type: ignore[call-overload]
+            buf[row, :, :length] = part[:, :length]
+
+    @property
     def kv_bytes(self) -> int:
         return sum(b.nbytes for b in self._kv)
 
@@ -175,3 +196,13 @@ class ReferenceBatchBackend:
     def move(self, src: int, dst: int, length: int) -> None:
         self.rows[src].truncate(length)
         self.rows[dst], self.rows[src] = self.rows[src], self.rows[dst]
+
+    @property
+    def token_bytes(self) -> int:
+        return self.rows[0].kv_token_bytes
+
+    def save(self, row: int, length: int) -> object:
+        return self.rows[row].kv_prefix(length)
+
+    def load(self, row: int, saved: object, length: int) -> None:
+        self.rows[row].load_kv_prefix(saved, length)  # type: ignore[arg-type]

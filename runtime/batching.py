@@ -7,7 +7,8 @@ rows into one call of the backend (`batch_backend.py`): B rows, each appending i
 (a plain step's token, or a pending token and k drafts) after its own valid length, every
 block padded to the call's S with copies of its last token. Prefill is chunked (`prefill_chunk`
 tokens a call, on the new request's row alone) and alternates with the batched calls, so the
-running rows keep decoding while a prompt is read.
+running rows keep decoding while a prompt is read (the jobs that came in during a chunk all
+run in the call after it).
 
 - **Rows join and leave between calls.** A row takes the lowest free row of the KV pool at its
   first job and gives it back when its request ends (`release`); the runner then moves the
@@ -25,6 +26,9 @@ running rows keep decoding while a prompt is read.
   temperature; the per-row sampling is the request's own.
 - **Failures stay in their row.** Non-finite logits fail only the row they appear in; an
   error of the whole call fails the jobs in it, and the runner goes on.
+- **Prompts that start the same** (`prefix_cache_bytes`): a prompt read into an empty row is
+  kept in a `PrefixCache`, and a later prompt copies the keys and values of the tokens it
+  shares with one instead of computing them (exact, as the calls are row-invariant).
 
 The rows' capacity is the pool's less `max_verify_len`: a row carried along appends at most
 that many padding tokens.
@@ -46,6 +50,7 @@ from .batch_backend import BatchBackend
 from .errors import InvalidOptionError, ModelBusyError, \
     NonFiniteLogitsError, OrtspecError
 from .graph_io import call_width
+from .prefix_cache import PrefixCache
 from .validation import check_int, check_token_block, is_int
 
 GATHER_SECONDS = 0.003  # the least a call waits for the decoding rows that have no job yet
@@ -76,6 +81,8 @@ class BatchStats:
     calls: int = 0
     prefill_calls: int = 0
     padded_rows: int = 0  # rows carried along without a job
+    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # ... and found there (copied, not computed)
     rows: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     widths: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
@@ -87,6 +94,16 @@ class BatchStats:
             self.widths[width] += 1
             self.padded_rows += padded
 
+    def record_prefix(self, *, queried: int, hit: int) -> None:
+        with self._lock:
+            self.prefix_queried_tokens += queried
+            self.prefix_hit_tokens += hit
+
+    def prefix_snapshot(self) -> tuple[int, int]:
+        """(prompt tokens looked up in the prefix cache, those found there)."""
+        with self._lock:
+            return self.prefix_queried_tokens, self.prefix_hit_tokens
+
     def snapshot(self) -> tuple[dict[int, int], dict[int, int], int]:
         """(calls by rows, calls by S, padded rows), consistent with each other."""
         with self._lock:
@@ -97,9 +114,12 @@ class BatchRunner:
     """Runs every row's calls on one thread, as batched calls of `backend`."""
 
     def __init__(self, backend: BatchBackend, *, max_verify_len: int,
-                 gather_seconds: float = GATHER_SECONDS, prefill_chunk: int = PREFILL_CHUNK) -> None:
+                 gather_seconds: float = GATHER_SECONDS, prefill_chunk: int = PREFILL_CHUNK,
+                 prefix_cache_bytes: int = 0) -> None:
         check_int("max_verify_len", max_verify_len, minimum=1)
         self.backend = backend
+        # prompts' keys and values kept for later prompts that start the same (0: none)
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
         self.max_verify_len = min(int(max_verify_len), backend.max_call)
         self.gather_seconds = float(gather_seconds)
         self.prefill_chunk = max(backend.min_rows, min(int(prefill_chunk), backend.max_call))
@@ -213,6 +233,12 @@ class BatchRunner:
                 self._place(job)
         if prefill is not None:
             self._prefill_chunk(prefill)
+            # the rows whose jobs came in during the chunk join the call that follows it, so
+            # a prompt being read does not split the decoding rows into two calls
+            with self._cond:
+                jobs = self._take_jobs()
+                for job in jobs:
+                    self._place(job)
         if jobs:
             self._decode_call(jobs)
         with self._cond:
@@ -239,11 +265,10 @@ class BatchRunner:
                 # jobs that came in during a call have not waited for the rows in it
                 start = max(self._first_wait or 0.0, self._free_since)
                 late = time.monotonic() - start >= patience
-                if prefill is not None or not waiting or late:
-                    jobs = list(self._jobs.values())
-                    self._jobs.clear()
-                    self._first_wait = None
-                    return prefill, jobs
+                if prefill is not None:  # its chunk first; the decode jobs after it
+                    return prefill, None
+                if not waiting or late:
+                    return None, self._take_jobs()
                 self._cond.wait(max(0.0, patience - (time.monotonic() - start)))
                 continue
             if prefill is not None:
@@ -251,6 +276,13 @@ class BatchRunner:
             if time.monotonic() - idle_since >= IDLE_SECONDS:
                 return None, []
             self._cond.wait(IDLE_SECONDS)
+
+    def _take_jobs(self) -> list[_Job]:
+        """Under the lock: the decode jobs waiting now, for the next call."""
+        jobs = list(self._jobs.values())
+        self._jobs.clear()
+        self._first_wait = None
+        return jobs
 
     def _apply_releases(self) -> None:
         for row in self._releases:
@@ -286,6 +318,7 @@ class BatchRunner:
         assert row.index is not None
         if job.offset == 0:
             job.start = row.length
+            self._reuse_prefix(job)
         ids = job.tokens[job.offset: job.offset + self.prefill_chunk]
         n = ids.size
         padded = np.empty((1, call_width(1, n, self.backend.min_rows)), np.int64)
@@ -310,8 +343,37 @@ class BatchRunner:
         else:  # only the last chunk's row is the result
             job.parts = [logits.copy()]
         if job.offset >= job.tokens.size:
+            self._keep_prefix(job)
             job.result = np.concatenate(job.parts) if job.keep_all else job.parts[-1][0]
             job.done.set()
+
+    def _reuse_prefix(self, job: _Job) -> None:
+        """A prompt on an empty row: copy the keys and values of the longest cached prefix it
+        starts with, and prefill from there (only its last chunk's logits are wanted)."""
+        row, cache = job.row, self.prefix_cache
+        if cache is None or job.start != 0 or job.keep_all:
+            return
+        entry, n = cache.match(job.tokens)
+        self.stats.record_prefix(queried=job.tokens.size, hit=n)
+        if entry is not None:
+            assert row.index is not None
+            self.backend.load(row.index, entry.kv, n)
+            row.length = job.offset = n
+
+    def _keep_prefix(self, job: _Job) -> None:
+        """A prompt read from an empty row: its keys and values go into the prefix cache."""
+        row, cache = job.row, self.prefix_cache
+        if cache is None or job.start != 0 or job.keep_all:
+            return
+        n = job.tokens.size
+        nbytes = n * self.backend.token_bytes
+        if cache.wants(job.tokens, nbytes):
+            assert row.index is not None
+            try:
+                saved = self.backend.save(row.index, n)
+            except MemoryError:  # the cache is an optimisation: the request goes on without it
+                return
+            cache.add(job.tokens, saved, nbytes)
 
     def _decode_call(self, jobs: list[_Job]) -> None:
         jobs = [j for j in jobs if not j.done.is_set()]

@@ -26,6 +26,7 @@ from . import manifest as mf
 from .counters import DecodeCounters
 from .batch_backend import OrtBatchBackend
 from .batching import BatchRow, BatchRunner
+from .prefix_cache import DEFAULT_PREFIX_CACHE_MIB, MIB
 from .calibration import CalibrationKey, CostSurface, calibrated_cost_curve, \
     calibrated_cost_surface, step_cost_ratio
 from .decode import (
@@ -74,7 +75,8 @@ class Model:
     def __init__(self, *, sessions: OrtSessions, tokenizer: Any, manifest: mf.Manifest, path: Path,
                  draft_sessions: OrtSessions | None = None, max_concurrent: int = DEFAULT_MAX_CONCURRENT,
                  when_busy: WhenBusy = "wait", busy_timeout: float | None = None,
-                 batch: bool | None = None) -> None:
+                 batch: bool | None = None,
+                 prefix_cache_mib: float = DEFAULT_PREFIX_CACHE_MIB) -> None:
         self.sessions = sessions
         self.tokenizer = tokenizer  # tokenizers.Tokenizer: encode/decode are read-only
         self.manifest = manifest
@@ -84,9 +86,11 @@ class Model:
         if batch is None:
             batch = manifest.max_batch > 1 and max_concurrent > 1
         self.runner: BatchRunner | None = None
+        cache_bytes = _prefix_cache_bytes(prefix_cache_mib)
         if batch:
             backend = OrtBatchBackend(sessions, max_rows=max_concurrent)
-            self.runner = BatchRunner(backend, max_verify_len=sessions.max_verify_len)
+            self.runner = BatchRunner(backend, max_verify_len=sessions.max_verify_len,
+                                      prefix_cache_bytes=cache_bytes)
             max_concurrent = backend.max_rows
         # a draft whose graph takes several rows batches the requests' draft steps likewise
         self.draft_runner: BatchRunner | None = None
@@ -94,7 +98,8 @@ class Model:
                 and draft_sessions.manifest.max_batch > 1:
             draft_backend = OrtBatchBackend(draft_sessions, max_rows=max_concurrent)
             self.draft_runner = BatchRunner(draft_backend,
-                                            max_verify_len=draft_sessions.max_verify_len)
+                                            max_verify_len=draft_sessions.max_verify_len,
+                                            prefix_cache_bytes=cache_bytes)
             max_concurrent = min(max_concurrent, draft_backend.max_rows)
         self.slots = SlotPool(self._new_slot, max_slots=max_concurrent, when_busy=when_busy,
                               timeout=busy_timeout)
@@ -423,6 +428,13 @@ def _check_pairing(target: mf.Manifest, draft: mf.Manifest, draft_dir: Path) -> 
         raise InvalidOptionError(f"draft {draft_dir} has a different tokenizer from the target's")
 
 
+def _prefix_cache_bytes(mib: float) -> int:
+    if isinstance(mib, bool) or not isinstance(mib, (int, float)) or not 0 <= mib < float("inf"):
+        raise InvalidOptionError(f"prefix_cache_mib must be a number of MiB >= 0 (0 turns the "
+                                 f"prefix cache off), got {mib!r}")
+    return int(mib * MIB)
+
+
 def _calibration_key(sessions: OrtSessions) -> CalibrationKey:
     """What the cost curve or surface measured on these sessions' calls is cached under."""
     return CalibrationKey(str(sessions.model_dir), sessions.graph_digest, tuple(sessions.providers),
@@ -439,6 +451,7 @@ def load_model(
     when_busy: WhenBusy = "wait",
     busy_timeout: float | None = None,
     batch: bool | None = None,
+    prefix_cache_mib: float = DEFAULT_PREFIX_CACHE_MIB,
 ) -> Model:
     """Read and check `path/manifest.json`, open its entry points, load its tokenizer.
 
@@ -451,6 +464,10 @@ def load_model(
     `batch`: decode concurrent requests in shared calls (`ortspec.runtime.batching`); None
     (default) does when the graph takes several rows (manifest `max_batch` > 1: an export with
     `--attention window`) and `max_concurrent` > 1. The rows are then at most `max_batch`.
+    `prefix_cache_mib`: a batching model keeps the keys and values of recent prompts, up to
+    this many MiB (and as many again for a batched draft), and copies them into a new request
+    that starts with the same tokens (a shared system prompt, a conversation's earlier turns)
+    instead of computing them (`ortspec.runtime.prefix_cache`); 0 turns it off.
     """
     from tokenizers import Tokenizer
 
@@ -481,4 +498,4 @@ def load_model(
                                      threads=threads, allow_spinning=False)
     return Model(sessions=sessions, tokenizer=tokenizer, manifest=manifest, path=root,
                  draft_sessions=draft_sessions, max_concurrent=max_concurrent, when_busy=when_busy,
-                 busy_timeout=busy_timeout, batch=batch)
+                 busy_timeout=busy_timeout, batch=batch, prefix_cache_mib=prefix_cache_mib)

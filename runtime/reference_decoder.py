@@ -74,6 +74,22 @@ class ReferenceDecoder(DecoderBase):
             raise InvalidOptionError(f"truncate({length}): length must be in 0..{self._length}")
         self._length = length
 
+    @property
+    def kv_token_bytes(self) -> int:
+        """Bytes of keys and values a cache position holds."""
+        return self._k[:, :, 0].nbytes + self._v[:, :, 0].nbytes
+
+    def kv_prefix(self, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """A copy of the keys and values of the first `length` positions [layers, heads, length, hd]."""
+        return self._k[:, :, :length].copy(), self._v[:, :, :length].copy()
+
+    def load_kv_prefix(self, saved: tuple[np.ndarray, np.ndarray], length: int) -> None:
+        """Take the first `length` positions of a `kv_prefix` copy: the cache holds `length` tokens."""
+        k, v = saved
+        self._k[:, :, :length] = k[:, :, :length]
+        self._v[:, :, :length] = v[:, :, :length]
+        self._length = int(length)
+
     def forward_token(self, token: int) -> np.ndarray:  # [vocab]
         self.token_calls += 1
         return self._forward([token])[0]

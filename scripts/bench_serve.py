@@ -27,6 +27,11 @@ text ("identical to serial", k/n), and how many gave the text plain decoding's s
 (temperature 0: speculative and plain must agree). Any difference makes the exit status 1,
 after the results are written (the differing texts are in results.json).
 
+--distinct-prompts: no prompt is sent twice to a server during the timed rounds (each batch
+takes the next `--requests` prompts), so a prefix cache finds only what prompts share (the
+system prompt and chat template); the serial references of prompts that only ran concurrently
+come from a serial pass after the rounds, one request at a time, untimed.
+
 Batch rows. `ortspec:batch_rows` (the histogram of requests per batched model call) is scraped
 from each server's /metrics before and after every batch (the difference: that
 configuration's calls) and once at the end (everything the server did, warm-up included).
@@ -118,10 +123,12 @@ def _one_request(client, name: str, prompt: str, max_tokens: int, *, stream: boo
 
 
 def run_batch(url: str, name: str, prompts: list[str], concurrency: int, n_requests: int,
-              max_tokens: int, offset: int = 0) -> dict:
+              max_tokens: int, offset: int = 0, indices: list[int] | None = None) -> dict:
     """`n_requests` requests from `concurrency` client threads: wall time, and per request its
-    latency, time to first text, prompt (index into `prompts`) and completion text."""
-    jobs = [(offset + i) % len(prompts) for i in range(n_requests)]
+    latency, time to first text, prompt (index into `prompts`) and completion text. The
+    prompts are those from `offset` on, in turn, or the `indices` given."""
+    jobs = [(offset + i) % len(prompts) for i in range(n_requests)] if indices is None \
+        else list(indices)
     results: list[tuple[int, tuple[float, float, int, str]]] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
@@ -149,6 +156,20 @@ def run_batch(url: str, name: str, prompts: list[str], concurrency: int, n_reque
     return {"wall_s": wall, "latency_s": [r[0] for _, r in results],
             "ttft_s": [r[1] for _, r in results], "tokens": sum(r[2] for _, r in results),
             "outputs": [{"prompt": p, "tokens": r[2], "text": r[3]} for p, r in results]}
+
+
+def scrape_prefix_cache(url: str) -> dict | None:
+    """The prompt tokens the server looked up in its prefix cache and found there (vLLM's
+    `prefix_cache_queries` and `prefix_cache_hits`); None if it keeps none."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    found = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits"):
+            found[family.name.rpartition("_")[2]] = int(family.samples[0].value)
+    return found or None
 
 
 def scrape_batch_rows(url: str) -> dict | None:
@@ -234,11 +255,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(model_dir: Path, max_concurrent: int, drafter: str) -> tuple[subprocess.Popen, str]:
+def _start_server(model_dir: Path, max_concurrent: int, drafter: str,
+                  prefix_cache_mib: float | None) -> tuple[subprocess.Popen, str]:
     port = _free_port()
+    extra = [] if prefix_cache_mib is None else ["--prefix-cache-mib", str(prefix_cache_mib)]
     proc = subprocess.Popen([sys.executable, "-m", "ortspec.runtime.cli", "serve", "--model",
                              str(model_dir), "--port", str(port), "--max-concurrent",
-                             str(max_concurrent), "--drafter", drafter, "--log-level", "warning"])
+                             str(max_concurrent), "--drafter", drafter, "--log-level", "warning",
+                             *extra])
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -323,6 +347,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --prompts spec-bench-dev: the categories kept (comma-separated, "
                          "e.g. multi-turn,translation,qa,math_reasoning; default all)")
     ap.add_argument("--seed", type=int, default=0, help="shuffles the order of each round")
+    ap.add_argument("--distinct-prompts", action="store_true",
+                    help="every batch of every round takes prompts no other batch of the same "
+                         "server sent (the servers' prefix caches find only what the prompts "
+                         "share); outputs are checked against a serial pass at the end")
+    ap.add_argument("--prefix-cache-mib", type=float, default=None,
+                    help="the servers' --prefix-cache-mib (default: theirs; 0: no prefix cache)")
     ap.add_argument("--out", help="directory for results.json, results.md and throughput.png")
     args = ap.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
@@ -335,6 +365,16 @@ def main(argv: list[str] | None = None) -> int:
     if categories is not None and args.prompts != "spec-bench-dev":
         raise SystemExit("--categories selects Spec-Bench categories: give --prompts spec-bench-dev")
     prompts = load_prompts(args.prompts, per_category=args.per_category, categories=categories)
+    if args.distinct_prompts and len(prompts) < args.rounds * len(levels) * args.requests:
+        raise SystemExit(f"--distinct-prompts needs rounds x concurrency levels x requests = "
+                         f"{args.rounds * len(levels) * args.requests} prompts; there are "
+                         f"{len(prompts)} (raise --per-category or lower --requests)")
+
+    def batch_prompts(rnd: int, c: int) -> list[int] | None:  # None: from the round's offset
+        if not args.distinct_prompts:
+            return None
+        start = (rnd * len(levels) + levels.index(c)) * args.requests
+        return list(range(start, start + args.requests))
     procs: list[subprocess.Popen] = []
     urls: dict[str, str] = {}
     started = time.time()
@@ -345,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
             urls[drafters[0]] = args.url
         else:
             for d in drafters:  # one at a time: a server measures its cost curve and surface
-                proc, urls[d] = _start_server(model_dir, max(levels), d)  # as it starts, and
+                proc, urls[d] = _start_server(model_dir, max(levels), d,  # as it starts, and
+                                              args.prefix_cache_mib)
                 procs.append(proc)  # two measuring at once would each time a loaded machine
                 _wait_ready(proc, urls[d])
         name = httpx.get(urls[drafters[0]] + "/v1/models", timeout=10).json()["data"][0]["id"]
@@ -375,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
             rng.shuffle(order)
             for d, c in order:
                 before = scrape_batch_rows(urls[d])
-                b = run_batch(urls[d], name, prompts, c, args.requests, args.max_tokens, offset=rnd)
+                b = run_batch(urls[d], name, prompts, c, args.requests, args.max_tokens,
+                              offset=rnd, indices=batch_prompts(rnd, c))
                 b["batch_rows"] = rows_delta(before, scrape_batch_rows(urls[d]))
                 batches[d, c].append(b)
                 rows = b["batch_rows"]
@@ -396,7 +438,17 @@ def main(argv: list[str] | None = None) -> int:
                 levels_out.append({"drafter": d, "concurrency": c, **summarise(batches[d, c]),
                                    "batch_rows": rows_summary(rows), "rounds": batches[d, c]})
         batch_rows = {d: rows_summary(scrape_batch_rows(urls[d])) for d in drafters}
-        ident = identical(batches, drafters, levels) if args.rounds else None
+        prefix_cache = {d: scrape_prefix_cache(urls[d]) for d in drafters}
+        serial_pass = {}  # --distinct-prompts: the serial texts of prompts sent only concurrently
+        if args.distinct_prompts and args.rounds:
+            for d in drafters:
+                seen = {o["prompt"] for b in batches[d, min(levels)] for o in b["outputs"]}
+                rest = sorted({o["prompt"] for (dd, _), bs in batches.items() if dd == d
+                               for b in bs for o in b["outputs"]} - seen)
+                b = run_batch(urls[d], name, prompts, 1, len(rest), args.max_tokens, indices=rest)
+                serial_pass[d] = {o["prompt"]: o["text"] for o in b["outputs"]}
+                print(f"serial pass {d}: {len(rest)} prompts", flush=True)
+        ident = identical(batches, drafters, levels, serial_pass) if args.rounds else None
     finally:
         for proc in procs:
             proc.terminate()
@@ -406,12 +458,15 @@ def main(argv: list[str] | None = None) -> int:
                       "concurrency": levels, "requests": args.requests, "rounds": args.rounds,
                       "max_tokens": args.max_tokens, "temperature": 0, "seed": args.seed,
                       "prompts": args.prompts, "categories": categories, "prompt_texts": prompts,
-                      "server_max_concurrent": max(levels), "command": " ".join(sys.argv)},
+                      "server_max_concurrent": max(levels),
+                      "prefix_cache_mib": args.prefix_cache_mib,
+                      "distinct_prompts": args.distinct_prompts, "command": " ".join(sys.argv)},
            "versions": _versions(), "checkout": checkout, "machine": _machine(),
            "started": time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(started)),
            "duration_s": time.time() - started,
            "load_average_before": load_before, "load_average_after": os.getloadavg(),
-           "levels": levels_out, "batch_rows": batch_rows, "identical": ident,
+           "levels": levels_out, "batch_rows": batch_rows, "prefix_cache": prefix_cache,
+           "identical": ident,
            "overhead": over}
     res["checks"] = checks(res) if levels_out else {}
     table = markdown(res)

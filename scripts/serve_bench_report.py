@@ -30,10 +30,11 @@ def summarise(batches: list[dict]) -> dict:
 
 
 def identical(batches: dict[tuple[str, int], list[dict]], drafters: list[str],
-              levels: list[int]) -> dict:
+              levels: list[int], serial_pass: dict[str, dict[int, str]] | None = None) -> dict:
     """Every request's text against its drafter's serial text for the prompt, and against plain
     decoding's (the drafter "none" if measured, else the first one). The serial configuration
-    is concurrency 1, or the lowest measured; its reference is its first round's text."""
+    is concurrency 1, or the lowest measured; its reference is its first round's text, or for
+    a prompt it never sent, the text `serial_pass[drafter][prompt]` (one request at a time)."""
     serial = min(levels)
     base = "none" if "none" in drafters else drafters[0]
     refs: dict[str, dict[int, str]] = {d: {} for d in drafters}
@@ -41,6 +42,8 @@ def identical(batches: dict[tuple[str, int], list[dict]], drafters: list[str],
         for b in batches[d, serial]:
             for o in b["outputs"]:
                 refs[d].setdefault(o["prompt"], o["text"])
+        for p, text in (serial_pass or {}).get(d, {}).items():
+            refs[d].setdefault(p, text)
     per_config, differing = {}, []
     for (d, c), bs in batches.items():
         same = same_base = n = 0
@@ -137,6 +140,10 @@ def _rows_cell(s: dict | None) -> str:
     return "-" if not s or s["mean_rows"] is None else f"{s['mean_rows']:.2f} ({s['calls']})"
 
 
+def _or_default(value: object) -> str:
+    return "default" if value is None else f"{value:g}"
+
+
 def markdown(res: dict) -> str:
     cfg = res["config"]
     ident = res.get("identical") or {}
@@ -161,7 +168,11 @@ def markdown(res: dict) -> str:
                    f"batched calls (calls in brackets). Identical to serial: requests whose text "
                    f"is the one the concurrency-{serial} run of the same drafter gave for that "
                    f"prompt; to plain serial: the one plain decoding's concurrency-{serial} run "
-                   f"gave."), "",
+                   f"gave."
+                   + (" Distinct prompts: no server was sent a prompt twice in the timed "
+                      "rounds; prompts the serial configuration did not send were run one at a "
+                      "time after them for the reference." if cfg.get("distinct_prompts")
+                      else "")), "",
                   ("| drafter | concurrency | requests | tok/s (range) | p50 TTFT s | p99 TTFT s "
                    "| p50 latency s | p90 latency s | p99 latency s | mean rows/call (calls) "
                    "| identical to serial | identical to plain serial |"),
@@ -185,6 +196,13 @@ def markdown(res: dict) -> str:
                   + "; ".join(f"{d}'s serial outputs vs plain's: {v['identical']}/{v['prompts']} "
                               f"prompts" for d, v in ident["serial_vs_plain"].items())
                   + f" — {verdict}."]
+    cached = {d: c for d, c in (res.get("prefix_cache") or {}).items() if c and c.get("queries")}
+    if cached:
+        lines += ["", "Prefix cache (prompt tokens found / looked up, whole run, warm-up "
+                  "included): " + "; ".join(f"{d} {c['hits']}/{c['queries']} "
+                                             f"({c['hits'] / c['queries']:.0%})"
+                                             for d, c in cached.items())
+                  + f" (--prefix-cache-mib {_or_default(res['config'].get('prefix_cache_mib'))})."]
     drafters = sorted({r["drafter"] for r in res["levels"]})
     if "none" in drafters and len(drafters) > 1:
         plain = {r["concurrency"]: r["tok_s_median"] for r in res["levels"] if r["drafter"] == "none"}

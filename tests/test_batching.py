@@ -540,6 +540,9 @@ def test_serve_batches_concurrent_openai_clients_with_their_serial_texts(window_
         calls = server.metric("ortspec:batch_rows_count")
         rows = server.metric("ortspec:batch_rows_sum")
         assert calls > 0 and rows / calls > 1.0  # several requests shared calls
+        # every chat prompt starts with the same system prompt: the later ones copied it
+        hits = server.metric("vllm:prefix_cache_hits_total")
+        assert 20 * 8 <= hits < server.metric("vllm:prefix_cache_queries_total")
     finally:
         server.stop()
 

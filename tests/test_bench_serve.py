@@ -54,6 +54,29 @@ def test_the_serving_benchmark_records_batched_calls_and_serial_outputs(tiny_win
     assert res["checks"]["spec_over_plain_c4"]["prompt-lookup"]["ratio"] > 0
 
 
+def test_distinct_prompts_send_each_prompt_once_and_check_them_against_a_serial_pass(
+        tiny_window, tmp_path):
+    out = tmp_path / "run"
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", str(tiny_window), "--drafters", "none",
+         "--distinct-prompts", "--concurrency", "1,2", "--requests", "2", "--rounds", "2",
+         "--max-tokens", "12", "--overhead-requests", "0", "--out", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    sent = [o["prompt"] for x in res["levels"] for b in x["rounds"] for o in b["outputs"]]
+    assert len(sent) == 8 and len(set(sent)) == 8  # the 8 chat prompts, each sent once
+    ident = res["identical"]  # the c=2 prompts checked against the serial pass
+    assert ident["requests"] == 8 and ident["identical_to_serial"] == 8, ident["differing"][:2]
+    assert "serial pass none: 4 prompts" in r.stdout
+    # too few prompts for distinct batches: refused before any server starts
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", str(tiny_window), "--drafters", "none",
+         "--distinct-prompts", "--concurrency", "1,2", "--requests", "4", "--rounds", "2"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "--distinct-prompts needs" in r.stderr
+
+
 def test_dev_split_prompts_keep_the_categories_asked_for(monkeypatch):
     import importlib.util
 

@@ -25,6 +25,7 @@ from ..cli_args import UserErrorParser, add_model_options, model_arg, providers_
 from ..drafters import DRAFTER_NAMES, NEEDS_DRAFT_MODEL
 from ..errors import InvalidOptionError, OrtspecError
 from ..paths import DEFAULT_MODEL_NAME, default_model_path
+from ..prefix_cache import DEFAULT_PREFIX_CACHE_MIB
 from ..validation import check_int
 from .app import create_app
 
@@ -46,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help="requests waiting for a slot; beyond that the answer is 503")
     p.add_argument("--drafter", default="prompt-lookup", choices=DRAFTER_NAMES)
+    p.add_argument("--prefix-cache-mib", type=float, default=DEFAULT_PREFIX_CACHE_MIB,
+                   help="with a batching model: MiB of recent prompts' keys and values kept "
+                        "for requests that start the same (a shared system prompt, earlier "
+                        "turns), copied instead of computed; 0 turns it off "
+                        f"(default {DEFAULT_PREFIX_CACHE_MIB})")
     p.add_argument("--served-model-name", help="the model id clients use (default: the "
                                                "model directory's name)")
     p.add_argument("--log-level", default="info",
@@ -64,6 +70,9 @@ def _check(args: argparse.Namespace) -> None:
     check_int("--port", args.port, minimum=0, maximum=65535)
     check_int("--max-concurrent", args.max_concurrent, minimum=1)
     check_int("--max-queue", args.max_queue, minimum=0)
+    if not 0 <= args.prefix_cache_mib < float("inf"):
+        raise InvalidOptionError(f"--prefix-cache-mib must be a number of MiB >= 0 (0 turns "
+                                 f"the prefix cache off), got {args.prefix_cache_mib}")
     if args.threads is not None:
         check_int("--threads", args.threads, minimum=0, what=" (0 = onnxruntime's default)")
     if not args.ray and (args.replicas is not None or args.ray_address is not None):
@@ -87,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(path, providers=providers_arg(args.providers), threads=args.threads,
                        draft=(args.draft or True) if needs_draft else None,
                        max_concurrent=args.max_concurrent, when_busy="wait",
-                       busy_timeout=BUSY_TIMEOUT_SECONDS)
+                       busy_timeout=BUSY_TIMEOUT_SECONDS, prefix_cache_mib=args.prefix_cache_mib)
     if args.drafter != "none":
         model.draft_length_policy()  # read or measure the cost curve now, not in a request
     name = args.served_model_name or os.path.basename(os.path.abspath(path))
@@ -128,5 +137,6 @@ def _serve_on_ray(args: argparse.Namespace, path: os.PathLike, needs_draft: bool
         path, replicas=args.replicas or 1, model_name=args.served_model_name,
         drafter=args.drafter, threads=args.threads, providers=providers_arg(args.providers),
         draft=(args.draft or True) if needs_draft else None,
-        max_concurrent=args.max_concurrent, max_queue=args.max_queue)
+        max_concurrent=args.max_concurrent, max_queue=args.max_queue,
+        prefix_cache_mib=args.prefix_cache_mib)
     return ray_app.run(app, host=args.host, port=args.port, address=args.ray_address)

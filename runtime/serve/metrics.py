@@ -15,7 +15,8 @@ non-empty draft), `..._num_draft_tokens_total` (drafted), `..._num_accepted_toke
 A model that batches (`ortspec.runtime.batching`) adds `ortspec:batch_rows` (a histogram of
 the requests each batched call carried), `ortspec:batch_tokens_per_row` (of the tokens a row
 each call ran, S, padding included) and `ortspec:batch_padded_rows_total` (rows carried along
-without a job), read from the runner when scraped.
+without a job), and vLLM's `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total`
+(prompt tokens looked up in the prefix cache, and found), read from the runner when scraped.
 """
 
 from __future__ import annotations
@@ -100,6 +101,14 @@ class _BatchCollector:
                                      "Rows carried along in a batched call without a job of theirs")
         padded.add_metric([], padded_rows)
         yield padded
+        queried, hit = self.stats.prefix_snapshot()
+        for name, doc, value in (
+                ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queried),
+                ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (their keys "
+                                           "and values copied, not computed)", hit)):
+            counter = CounterMetricFamily(name, doc)
+            counter.add_metric([], value)
+            yield counter
 
 
 def _histogram(name: str, doc: str, counts: dict[int, int], bounds: tuple[int, ...]

@@ -24,6 +24,7 @@ from typing import Any
 from ray import serve
 
 from ..errors import InvalidOptionError
+from ..prefix_cache import DEFAULT_PREFIX_CACHE_MIB
 from .app import create_app
 
 APP_NAME = "ortspec"
@@ -36,12 +37,13 @@ class OrtspecServer:
     def __init__(self, model_dir: str, *, model_name: str, drafter: str = "prompt-lookup",
                  threads: int | None = None, providers: list[str] | None = None,
                  draft: str | bool | None = None, max_concurrent: int = 4,
-                 max_queue: int = 64, busy_timeout: float = 60.0) -> None:
+                 max_queue: int = 64, busy_timeout: float = 60.0,
+                 prefix_cache_mib: float = DEFAULT_PREFIX_CACHE_MIB) -> None:
         from ..model import load_model
 
         self.model = load_model(model_dir, providers=providers, threads=threads, draft=draft,
                                 max_concurrent=max_concurrent, when_busy="wait",
-                                busy_timeout=busy_timeout)
+                                busy_timeout=busy_timeout, prefix_cache_mib=prefix_cache_mib)
         if drafter != "none":
             self.model.draft_length_policy()  # read or measure the cost curve before traffic
         self._app_options = dict(model_name=model_name, drafter=drafter,
@@ -54,7 +56,8 @@ class OrtspecServer:
 def application(model_dir: str | os.PathLike, *, replicas: int, model_name: str | None = None,
                 drafter: str = "prompt-lookup", threads: int | None = None,
                 providers: list[str] | None = None, draft: str | bool | None = None,
-                max_concurrent: int = 4, max_queue: int = 64) -> Any:
+                max_concurrent: int = 4, max_queue: int = 64,
+                prefix_cache_mib: float = DEFAULT_PREFIX_CACHE_MIB) -> Any:
     """The Ray Serve application: `replicas` copies of `OrtspecServer`, each reserving
     `threads` CPUs (1 when onnxruntime picks its own thread count)."""
     path = str(Path(model_dir).resolve())  # replicas do not run in this directory
@@ -65,12 +68,13 @@ def application(model_dir: str | os.PathLike, *, replicas: int, model_name: str 
         max_ongoing_requests=max_concurrent + max_queue)
     return deployment.bind(path, model_name=model_name or os.path.basename(path),
                            drafter=drafter, threads=threads, providers=providers, draft=draft,
-                           max_concurrent=max_concurrent, max_queue=max_queue)
+                           max_concurrent=max_concurrent, max_queue=max_queue,
+                           prefix_cache_mib=prefix_cache_mib)
 
 
 BUILD_ARGS = {"model": str, "replicas": int, "served_model_name": str, "drafter": str,
               "threads": int, "providers": str, "draft": str, "max_concurrent": int,
-              "max_queue": int}
+              "max_queue": int, "prefix_cache_mib": float}
 
 
 def build(args: dict[str, Any]) -> Any:
@@ -95,7 +99,8 @@ def build(args: dict[str, Any]) -> Any:
                        drafter=a.get("drafter", "prompt-lookup"), threads=a.get("threads"),
                        providers=providers, draft=a.get("draft"),
                        max_concurrent=a.get("max_concurrent", 4),
-                       max_queue=a.get("max_queue", 64))
+                       max_queue=a.get("max_queue", 64),
+                       prefix_cache_mib=a.get("prefix_cache_mib", DEFAULT_PREFIX_CACHE_MIB))
 
 
 def run(app: Any, *, host: str, port: int, address: str | None) -> int:
