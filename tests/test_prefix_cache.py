@@ -16,9 +16,9 @@ import threading
 import numpy as np
 import pytest
 
+from helpers_decode import GREEDY
 from ortspec.runtime import (
     PromptLookupSpeculator,
-    ReferenceConfig,
     ReferenceDecoder,
     SpeculativeOptions,
     plain_decode,
@@ -29,8 +29,7 @@ from ortspec.runtime.batching import BatchRunner
 from ortspec.runtime.errors import InvalidOptionError
 from ortspec.runtime.prefix_cache import PrefixCache
 
-CONFIG = ReferenceConfig(vocab_size=24, d_model=32, n_layers=2, n_heads=4, capacity=160,
-                         logit_scale=4.0, seed=1)
+CONFIG = GREEDY  # the reference model of the greedy decode tests
 
 
 def _t(*tokens: int) -> np.ndarray:
