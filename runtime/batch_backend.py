@@ -103,6 +103,7 @@ class OrtBatchBackend:
         self._mask = np.zeros(self.max_rows * (m.capacity + 1), np.int64)
         self._bindings: dict[tuple[int, int], ort.IOBinding] = {}
         self._element = np.float32 if sessions.kv_dtype == np.float32 else np.float16
+        self.token_bytes = sum(b[0, :, 0].nbytes for b in self._kv)  # one row's cache position
 
     def _binding(self, lo: int, hi: int) -> ort.IOBinding:
         io = self._bindings.get((lo, hi))
@@ -147,10 +148,6 @@ class OrtBatchBackend:
     def move(self, src: int, dst: int, length: int) -> None:
         for buf in self._kv:
             buf[dst, :, :length] = buf[src, :, :length]
-
-    @property
-    def token_bytes(self) -> int:
-        return sum(b[0, :, 0].nbytes for b in self._kv)
 
     def save(self, row: int, length: int) -> list[np.ndarray]:  # [kv_heads, length, head_dim] each
         return [buf[row, :, :length].copy() for buf in self._kv]

@@ -347,11 +347,16 @@ class BatchRunner:
             job.result = np.concatenate(job.parts) if job.keep_all else job.parts[-1][0]
             job.done.set()
 
+    def _prefix_cache_for(self, job: _Job) -> PrefixCache | None:
+        """The prefix cache, for a prefill that reads a prompt into an empty row and wants only
+        its last logits; None for any other (or without a cache)."""
+        return None if job.start != 0 or job.keep_all else self.prefix_cache
+
     def _reuse_prefix(self, job: _Job) -> None:
         """A prompt on an empty row: copy the keys and values of the longest cached prefix it
         starts with, and prefill from there (only its last chunk's logits are wanted)."""
-        row, cache = job.row, self.prefix_cache
-        if cache is None or job.start != 0 or job.keep_all:
+        row, cache = job.row, self._prefix_cache_for(job)
+        if cache is None:
             return
         entry, n = cache.match(job.tokens)
         self.stats.record_prefix(queried=job.tokens.size, hit=n)
@@ -362,8 +367,8 @@ class BatchRunner:
 
     def _keep_prefix(self, job: _Job) -> None:
         """A prompt read from an empty row: its keys and values go into the prefix cache."""
-        row, cache = job.row, self.prefix_cache
-        if cache is None or job.start != 0 or job.keep_all:
+        row, cache = job.row, self._prefix_cache_for(job)
+        if cache is None:
             return
         n = job.tokens.size
         nbytes = n * self.backend.token_bytes

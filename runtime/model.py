@@ -26,7 +26,7 @@ from . import manifest as mf
 from .counters import DecodeCounters
 from .batch_backend import OrtBatchBackend
 from .batching import BatchRow, BatchRunner
-from .prefix_cache import DEFAULT_PREFIX_CACHE_MIB, MIB
+from .prefix_cache import DEFAULT_PREFIX_CACHE_MIB, MIB, prefix_cache_bytes
 from .calibration import CalibrationKey, CostSurface, calibrated_cost_curve, \
     calibrated_cost_surface, step_cost_ratio
 from .decode import (
@@ -76,7 +76,7 @@ class Model:
                  draft_sessions: OrtSessions | None = None, max_concurrent: int = DEFAULT_MAX_CONCURRENT,
                  when_busy: WhenBusy = "wait", busy_timeout: float | None = None,
                  batch: bool | None = None,
-                 prefix_cache_mib: float = DEFAULT_PREFIX_CACHE_MIB) -> None:
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_MIB * MIB) -> None:
         self.sessions = sessions
         self.tokenizer = tokenizer  # tokenizers.Tokenizer: encode/decode are read-only
         self.manifest = manifest
@@ -86,11 +86,10 @@ class Model:
         if batch is None:
             batch = manifest.max_batch > 1 and max_concurrent > 1
         self.runner: BatchRunner | None = None
-        cache_bytes = _prefix_cache_bytes(prefix_cache_mib)
         if batch:
             backend = OrtBatchBackend(sessions, max_rows=max_concurrent)
             self.runner = BatchRunner(backend, max_verify_len=sessions.max_verify_len,
-                                      prefix_cache_bytes=cache_bytes)
+                                      prefix_cache_bytes=prefix_cache_bytes)
             max_concurrent = backend.max_rows
         # a draft whose graph takes several rows batches the requests' draft steps likewise
         self.draft_runner: BatchRunner | None = None
@@ -99,7 +98,7 @@ class Model:
             draft_backend = OrtBatchBackend(draft_sessions, max_rows=max_concurrent)
             self.draft_runner = BatchRunner(draft_backend,
                                             max_verify_len=draft_sessions.max_verify_len,
-                                            prefix_cache_bytes=cache_bytes)
+                                            prefix_cache_bytes=prefix_cache_bytes)
             max_concurrent = min(max_concurrent, draft_backend.max_rows)
         self.slots = SlotPool(self._new_slot, max_slots=max_concurrent, when_busy=when_busy,
                               timeout=busy_timeout)
@@ -428,13 +427,6 @@ def _check_pairing(target: mf.Manifest, draft: mf.Manifest, draft_dir: Path) -> 
         raise InvalidOptionError(f"draft {draft_dir} has a different tokenizer from the target's")
 
 
-def _prefix_cache_bytes(mib: float) -> int:
-    if isinstance(mib, bool) or not isinstance(mib, (int, float)) or not 0 <= mib < float("inf"):
-        raise InvalidOptionError(f"prefix_cache_mib must be a number of MiB >= 0 (0 turns the "
-                                 f"prefix cache off), got {mib!r}")
-    return int(mib * MIB)
-
-
 def _calibration_key(sessions: OrtSessions) -> CalibrationKey:
     """What the cost curve or surface measured on these sessions' calls is cached under."""
     return CalibrationKey(str(sessions.model_dir), sessions.graph_digest, tuple(sessions.providers),
@@ -471,6 +463,7 @@ def load_model(
     """
     from tokenizers import Tokenizer
 
+    cache_bytes = prefix_cache_bytes(prefix_cache_mib)  # checked before anything is opened
     root = Path(path)
     manifest = mf.read_manifest(root)
     tok_path = mf.safe_member(root, manifest.tokenizer, what="manifest.tokenizer")
@@ -498,4 +491,4 @@ def load_model(
                                      threads=threads, allow_spinning=False)
     return Model(sessions=sessions, tokenizer=tokenizer, manifest=manifest, path=root,
                  draft_sessions=draft_sessions, max_concurrent=max_concurrent, when_busy=when_busy,
-                 busy_timeout=busy_timeout, batch=batch, prefix_cache_mib=prefix_cache_mib)
+                 busy_timeout=busy_timeout, batch=batch, prefix_cache_bytes=cache_bytes)

@@ -20,10 +20,20 @@ from typing import Any
 
 import numpy as np
 
+from .errors import InvalidOptionError
 from .validation import check_int
 
 MIB = 1 << 20
 DEFAULT_PREFIX_CACHE_MIB = 256  # the default model in fp32: about 46 KiB a token, ~5,700 tokens
+
+
+def prefix_cache_bytes(mib: object, *, name: str = "prefix_cache_mib") -> int:
+    """A prefix cache size in MiB, checked, in bytes (0: no cache); InvalidOptionError naming
+    `name` otherwise."""
+    if isinstance(mib, bool) or not isinstance(mib, (int, float)) or not 0 <= mib < float("inf"):
+        raise InvalidOptionError(f"{name} must be a number of MiB >= 0 (0 turns the prefix "
+                                 f"cache off), got {mib!r}")
+    return int(mib * MIB)
 
 
 @dataclasses.dataclass(eq=False)

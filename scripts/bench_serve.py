@@ -158,15 +158,19 @@ def run_batch(url: str, name: str, prompts: list[str], concurrency: int, n_reque
             "outputs": [{"prompt": p, "tokens": r[2], "text": r[3]} for p, r in results]}
 
 
-def scrape_prefix_cache(url: str) -> dict | None:
-    """The prompt tokens the server looked up in its prefix cache and found there (vLLM's
-    `prefix_cache_queries` and `prefix_cache_hits`); None if it keeps none."""
+def _metric_families(url: str) -> list:
+    """The server's /metrics, parsed."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(url + "/metrics", timeout=30).text
+    return list(text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text))
+
+
+def scrape_prefix_cache(url: str) -> dict | None:
+    """The prompt tokens the server looked up in its prefix cache and found there (vLLM's
+    `prefix_cache_queries` and `prefix_cache_hits`); None if it keeps none."""
     found = {}
-    for family in text_string_to_metric_families(text):
+    for family in _metric_families(url):
         if family.name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits"):
             found[family.name.rpartition("_")[2]] = int(family.samples[0].value)
     return found or None
@@ -175,11 +179,7 @@ def scrape_prefix_cache(url: str) -> dict | None:
 def scrape_batch_rows(url: str) -> dict | None:
     """`ortspec:batch_rows` from the server's /metrics: its buckets (cumulative, as Prometheus
     has them, by upper bound), count and sum; None if the server does not batch."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(url + "/metrics", timeout=30).text
-    for family in text_string_to_metric_families(text):
+    for family in _metric_families(url):
         if family.name != "ortspec:batch_rows":
             continue
         out: dict = {"buckets": {}, "count": 0, "sum": 0.0}

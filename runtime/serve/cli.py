@@ -25,7 +25,7 @@ from ..cli_args import UserErrorParser, add_model_options, model_arg, providers_
 from ..drafters import DRAFTER_NAMES, NEEDS_DRAFT_MODEL
 from ..errors import InvalidOptionError, OrtspecError
 from ..paths import DEFAULT_MODEL_NAME, default_model_path
-from ..prefix_cache import DEFAULT_PREFIX_CACHE_MIB
+from ..prefix_cache import DEFAULT_PREFIX_CACHE_MIB, prefix_cache_bytes
 from ..validation import check_int
 from .app import create_app
 
@@ -70,9 +70,7 @@ def _check(args: argparse.Namespace) -> None:
     check_int("--port", args.port, minimum=0, maximum=65535)
     check_int("--max-concurrent", args.max_concurrent, minimum=1)
     check_int("--max-queue", args.max_queue, minimum=0)
-    if not 0 <= args.prefix_cache_mib < float("inf"):
-        raise InvalidOptionError(f"--prefix-cache-mib must be a number of MiB >= 0 (0 turns "
-                                 f"the prefix cache off), got {args.prefix_cache_mib}")
+    prefix_cache_bytes(args.prefix_cache_mib, name="--prefix-cache-mib")
     if args.threads is not None:
         check_int("--threads", args.threads, minimum=0, what=" (0 = onnxruntime's default)")
     if not args.ray and (args.replicas is not None or args.ray_address is not None):
