@@ -5,10 +5,11 @@ with its own drafter, policy, sampler and seed) on a `BatchRow`, a `Decoder` tha
 buffers. A row's calls are jobs for one `BatchRunner` thread, which combines the jobs of all
 rows into one call of the backend (`batch_backend.py`): B rows, each appending its own block
 (a plain step's token, or a pending token and k drafts) after its own valid length, every
-block padded to the call's S with copies of its last token. Prefill is chunked (`prefill_chunk`
-tokens a call, on the new request's row alone) and alternates with the batched calls, so the
-running rows keep decoding while a prompt is read (the jobs that came in during a chunk all
-run in the call after it).
+block padded to the call's S with copies of its last token. Prefill is chunked and alternates
+with the batched calls, so the running rows keep decoding while a prompt is read (the jobs that
+came in during a chunk all run in the call after it): a prefill call reads up to
+`prefill_chunk` prompt tokens in all, from every row with a prompt waiting, oldest first (one
+call of several prompts shares the cost of reading the weights that each chunk pays).
 
 - **Rows join and leave between calls.** A row takes the lowest free row of the KV pool at its
   first job and gives it back when its request ends (`release`); the runner then moves the
@@ -28,7 +29,8 @@ run in the call after it).
   error of the whole call fails the jobs in it, and the runner goes on.
 - **Prompts that start the same** (`prefix_cache_bytes`): a prompt read into an empty row is
   kept in a `PrefixCache`, and a later prompt copies the keys and values of the tokens it
-  shares with one instead of computing them (exact, as the calls are row-invariant).
+  shares with one instead of computing them (exact, as the calls are row-invariant). A prompt
+  that shares a long prefix with an older one still being read waits for it.
 
 The rows' capacity is the pool's less `max_verify_len`: a row carried along appends at most
 that many padding tokens.
@@ -50,13 +52,14 @@ from .batch_backend import BatchBackend
 from .errors import InvalidOptionError, ModelBusyError, \
     NonFiniteLogitsError, OrtspecError
 from .graph_io import call_width
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, shared_prefix
 from .validation import check_int, check_token_block, is_int
 
 GATHER_SECONDS = 0.003  # the least a call waits for the decoding rows that have no job yet
 WAIT_FRACTION = 0.5  # ... and the most, as a fraction of a recent batched call's duration
 CALL_ALPHA = 0.2  # weight of the newest call in that recent duration
-PREFILL_CHUNK = 64  # prompt tokens a call while other rows decode
+PREFILL_CHUNK = 128  # prompt tokens a prefill call reads in all, while other rows decode
+PREFIX_WAIT_TOKENS = 16  # a prompt waits for an older one's if it then copies this many more
 IDLE_SECONDS = 1.0  # an idle runner thread checks this often whether its model is still used
 
 
@@ -64,10 +67,10 @@ IDLE_SECONDS = 1.0  # an idle runner thread checks this often whether its model 
 class _Job:
     row: "BatchRow"
     tokens: np.ndarray  # [n] int64
-    prefill: bool  # chunked on the row alone; else one row of a batched call
+    prefill: bool  # read in prefill calls (chunked); else one row of a batched decode call
     keep_all: bool = True  # return every position's logits (else the last one's)
     offset: int = 0  # prefill: tokens fed so far
-    start: int = 0  # prefill: the row's length before it (restored on failure)
+    start: int | None = None  # prefill: the row's length before it (restored on failure)
     parts: list = dataclasses.field(default_factory=list)
     result: np.ndarray | None = None
     error: BaseException | None = None
@@ -122,7 +125,8 @@ class BatchRunner:
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
         self.max_verify_len = min(int(max_verify_len), backend.max_call)
         self.gather_seconds = float(gather_seconds)
-        self.prefill_chunk = max(backend.min_rows, min(int(prefill_chunk), backend.max_call))
+        check_int("prefill_chunk", prefill_chunk, minimum=1)
+        self.prefill_chunk = int(prefill_chunk)  # prompt tokens a prefill call reads in all
         self.stats = BatchStats()
         self._cond = threading.Condition()
         self._slots: list[BatchRow | None] = [None] * backend.max_rows  # pool row -> its row
@@ -226,13 +230,13 @@ class BatchRunner:
             job.done.set()
             return True
         with self._cond:
-            prefill, jobs = self._next_work()
-            if prefill is None and jobs is None:
+            prefills, jobs = self._next_work()
+            if prefills is None and jobs is None:
                 return False
-            for job in ([prefill] if prefill else []) + list(jobs or ()):
+            for job in list(prefills or ()) + list(jobs or ()):
                 self._place(job)
-        if prefill is not None:
-            self._prefill_chunk(prefill)
+        if prefills:
+            self._prefill_call(prefills)
             # the rows whose jobs came in during the chunk join the call that follows it, so
             # a prompt being read does not split the decoding rows into two calls
             with self._cond:
@@ -243,13 +247,15 @@ class BatchRunner:
             self._decode_call(jobs)
         with self._cond:
             self._free_since = time.monotonic()
-            if prefill is not None and prefill.done.is_set():
-                self._prefills.popleft()
+            if prefills:
+                self._prefills = collections.deque(j for j in self._prefills
+                                                   if not j.done.is_set())
         return True
 
-    def _next_work(self) -> tuple[_Job | None, list[_Job] | None]:
-        """Under the lock: wait for a prefill chunk or a full (or timed-out) batch; (None,
-        None) when closed, (None, []) for a task or after IDLE_SECONDS with nothing to do."""
+    def _next_work(self) -> tuple[list[_Job] | None, list[_Job] | None]:
+        """Under the lock: wait for prompts to read (the prefill jobs waiting, oldest first) or
+        a full (or timed-out) batch of decode jobs; (None, None) when closed, (None, []) for a
+        task or after IDLE_SECONDS with nothing to do."""
         idle_since = time.monotonic()
         while True:
             self._apply_releases()
@@ -257,7 +263,7 @@ class BatchRunner:
                 return None, None
             if self._tasks:
                 return None, []
-            prefill = self._prefills[0] if self._prefills else None
+            prefills = list(self._prefills) or None
             if self._jobs:
                 waiting = [r for r in self._decoding if r not in self._jobs]
                 patience = max(self.gather_seconds, WAIT_FRACTION * self._call_seconds)
@@ -265,14 +271,14 @@ class BatchRunner:
                 # jobs that came in during a call have not waited for the rows in it
                 start = max(self._first_wait or 0.0, self._free_since)
                 late = time.monotonic() - start >= patience
-                if prefill is not None:  # its chunk first; the decode jobs after it
-                    return prefill, None
+                if prefills:  # their chunks first; the decode jobs after them
+                    return prefills, None
                 if not waiting or late:
                     return None, self._take_jobs()
                 self._cond.wait(max(0.0, patience - (time.monotonic() - start)))
                 continue
-            if prefill is not None:
-                return prefill, None
+            if prefills:
+                return prefills, None
             if time.monotonic() - idle_since >= IDLE_SECONDS:
                 return None, []
             self._cond.wait(IDLE_SECONDS)
@@ -311,41 +317,110 @@ class BatchRunner:
                 return
             self._slots[row.index] = row
 
-    def _prefill_chunk(self, job: _Job) -> None:
-        if job.done.is_set():  # refused by _place
+    def _prefill_call(self, waiting: list[_Job]) -> None:
+        """One call reading the next chunks of the waiting prompts (see `_prefill_plan`)."""
+        plan = self._prefill_plan([j for j in waiting if not j.done.is_set()])
+        if not plan:
             return
-        row = job.row
-        assert row.index is not None
-        if job.offset == 0:
-            job.start = row.length
-            self._reuse_prefix(job)
-        ids = job.tokens[job.offset: job.offset + self.prefill_chunk]
-        n = ids.size
-        padded = np.empty((1, call_width(1, n, self.backend.min_rows)), np.int64)
-        _pad_into(padded[0], ids)
-        take = np.arange(n) if job.keep_all else np.array([n - 1])  # prefill: the last row
+        lo, hi, s = self._prefill_span(plan)
+        ids = np.zeros((hi - lo, s), np.int64)  # rows riding along append zeros, never read
+        lengths = np.array([0 if r is None else r.length for r in self._slots[lo:hi]], np.int64)
+        real, take = [], []  # flat positions: each job's chunk; its last (or every) position
+        for job, n in plan:
+            r = job.row.index - lo  # type: ignore[operator]
+            _pad_into(ids[r], job.tokens[job.offset: job.offset + n])
+            real.append(r * s + np.arange(n))
+            take.append(real[-1] if job.keep_all else real[-1][-1:])
         try:
-            logits = self.backend.run(row.index, row.index + 1, padded,
-                                      np.array([row.length], np.int64), take=take,
-                                      real=np.arange(n))
-            if not np.isfinite(logits).all():  # the rows read (a prompt chunk: its last)
-                raise _non_finite(row.length + int(take[0]), int(take[-1] - take[0]) + 1)
-        except BaseException as e:  # noqa: BLE001 - handed to the row's thread
-            row.length = job.start
-            job.error = e
-            job.done.set()
+            logits = self.backend.run(lo, hi, ids, lengths, take=np.concatenate(take),
+                                      real=np.concatenate(real))
+        except BaseException as e:  # noqa: BLE001 - handed to the rows' threads
+            for job, _ in plan:
+                self._fail_prefill(job, e)
             return
         self.stats.prefill_calls += 1
-        row.length += n
-        job.offset += n
-        if job.keep_all:
-            job.parts.append(logits.copy())
-        else:  # only the last chunk's row is the result
-            job.parts = [logits.copy()]
-        if job.offset >= job.tokens.size:
-            self._keep_prefix(job)
-            job.result = np.concatenate(job.parts) if job.keep_all else job.parts[-1][0]
-            job.done.set()
+        first = 0
+        for (job, n), rows in zip(plan, take, strict=True):
+            got = logits[first: first + rows.size]  # [1 or n, vocab]
+            first += rows.size
+            row = job.row
+            if not np.isfinite(got).all():  # the rows read (a prompt chunk: its last)
+                start = row.length + (0 if job.keep_all else n - 1)
+                self._fail_prefill(job, _non_finite(start, got.shape[0]))
+                continue
+            row.length += n
+            job.offset += n
+            if job.keep_all:
+                job.parts.append(got.copy())
+            else:  # only the last chunk's row is the result
+                job.parts = [got.copy()]
+            if job.offset >= job.tokens.size:
+                self._keep_prefix(job)
+                job.result = np.concatenate(job.parts) if job.keep_all else job.parts[-1][0]
+                job.done.set()
+
+    def _prefill_plan(self, jobs: list[_Job]) -> list[tuple[_Job, int]]:
+        """(job, tokens it reads) for the next prefill call, in row order: the jobs oldest
+        first, each its remaining tokens (at most the backend's `max_call`), while the call's
+        `prefill_chunk` lasts. A job that
+        wants every position's logits (a long block, not a prompt) runs alone. A job joins
+        only if every row the call then covers has room for S positions past its valid length
+        (the oldest job alone always has: its row's capacity holds its prompt)."""
+        plan: list[tuple[_Job, int]] = []
+        budget = self.prefill_chunk
+        for k, job in enumerate(jobs):
+            if budget <= 0 or (plan and job.keep_all):
+                break
+            if job.start is None and self._waits_for_prefix(job, jobs[:k]):
+                continue
+            self._begin_prefill(job)
+            n = min(job.tokens.size - job.offset, budget, self.backend.max_call)
+            trial = sorted(plan + [(job, n)], key=lambda p: p[0].row.index)  # type: ignore
+            lo, hi, s = self._prefill_span(trial)
+            if any(r is not None and r.length + s > self.backend.capacity
+                   for r in self._slots[lo:hi]):
+                assert plan, "a prompt's first chunk always fits its row"
+                continue
+            plan, budget = trial, budget - n
+            if job.keep_all:
+                break
+        return plan
+
+    def _prefill_span(self, plan: list[tuple[_Job, int]]) -> tuple[int, int, int]:
+        """(lo, hi, S) of the call for a plan in row order: the rows from its first job's to
+        its last's, and its longest chunk (a single token padded to min_rows)."""
+        lo, hi = plan[0][0].row.index, plan[-1][0].row.index + 1  # type: ignore[operator]
+        return lo, hi, call_width(1, max(n for _, n in plan), self.backend.min_rows)
+
+    def _waits_for_prefix(self, job: _Job, older: list[_Job]) -> bool:
+        """Whether a prompt not begun yet is better read later: an older prompt being read
+        (into the cache once done) shares PREFIX_WAIT_TOKENS more leading tokens with it than
+        the cache holds now. Several chat requests arriving at once then compute their system
+        prompt once; the oldest prompt never waits."""
+        cache = self.prefix_cache
+        if cache is None or job.keep_all or job.row.length != 0:
+            return False
+        limit = job.tokens.size - 1
+        coming = max((min(limit, shared_prefix(job.tokens, j.tokens)) for j in older
+                      if j.start is not None and self._prefix_cache_for(j) is not None
+                      and j.tokens.size * self.backend.token_bytes <= cache.max_bytes),
+                     default=0)
+        if coming < PREFIX_WAIT_TOKENS:
+            return False
+        return coming - cache.match(job.tokens)[1] >= PREFIX_WAIT_TOKENS
+
+    def _begin_prefill(self, job: _Job) -> None:
+        """A prefill's first call: the row's length is noted, and a prompt on an empty row
+        starts from the longest cached prefix it has."""
+        if job.start is None:
+            job.start = job.row.length
+            self._reuse_prefix(job)
+
+    def _fail_prefill(self, job: _Job, error: BaseException) -> None:
+        assert job.start is not None
+        job.row.length = job.start
+        job.error = error
+        job.done.set()
 
     def _prefix_cache_for(self, job: _Job) -> PrefixCache | None:
         """The prefix cache, for a prefill that reads a prompt into an empty row and wants only

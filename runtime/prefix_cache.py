@@ -36,6 +36,13 @@ def prefix_cache_bytes(mib: object, *, name: str = "prefix_cache_mib") -> int:
     return int(mib * MIB)
 
 
+def shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens a [n] and b [m] have in common."""
+    m = min(a.size, b.size)
+    differ = np.flatnonzero(a[:m] != b[:m])
+    return int(differ[0]) if differ.size else m
+
+
 @dataclasses.dataclass(eq=False)
 class CachedPrefix:
     tokens: np.ndarray  # [n] int64
@@ -59,11 +66,9 @@ class PrefixCache:
         best, best_n, best_key = None, 0, None
         limit = tokens.size - 1
         for key, entry in self._entries.items():
-            m = min(limit, entry.tokens.size)
-            if m <= best_n:
+            if min(limit, entry.tokens.size) <= best_n:
                 continue
-            differ = np.flatnonzero(entry.tokens[:m] != tokens[:m])
-            n = int(differ[0]) if differ.size else m
+            n = shared_prefix(entry.tokens, tokens[:limit])
             if n > best_n:
                 best, best_n, best_key = entry, n, key
         if best is not None:
