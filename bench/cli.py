@@ -152,7 +152,7 @@ def _ratio_by_category(runs: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ortspec.runtime.model import load_model
+    from ortspec.runtime.load import load_model
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

@@ -26,7 +26,8 @@ from .errors import (
     OrtspecError,
     ProviderError,
 )
-from .model import DrafterSpec, Model, load_model
+from .load import load_model
+from .model import DrafterSpec, Model
 from .ort_decoder import OrtDecoder
 from .paths import default_model_path, models_dir
 from .protocols import Decoder, DecoderBase, DraftLengthPolicy, Drafter, DrafterBase

@@ -1,9 +1,9 @@
 """Continuous batching beneath the `Decoder` protocol: many requests, one model call a step.
 
 Each request decodes in its own thread exactly as it would alone (`speculative_decode_steps`
-with its own drafter, policy, sampler and seed) on a `BatchRow`, a `Decoder` that owns no KV
-buffers. A row's calls are jobs for one `BatchRunner` thread, which combines the jobs of all
-rows into one call of the backend (`batch_backend.py`): B rows, each appending its own block
+with its own drafter, policy, sampler and seed) on a `BatchRow` (`batch_rows.py`), a
+`Decoder` that owns no KV buffers. A row's calls are jobs for one `BatchRunner` thread, which
+combines the jobs of all rows into one call of the backend (`batch_backend.py`): B rows, each appending its own block
 (a plain step's token, or a pending token and k drafts) after its own valid length, every
 block padded to the call's S with copies of its last token. Prefill is chunked and alternates
 with the batched calls, so the running rows keep decoding while a prompt is read (the jobs that
@@ -39,21 +39,20 @@ that many padding tokens.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from .batch_backend import BatchBackend
-from .errors import InvalidOptionError, ModelBusyError, \
-    NonFiniteLogitsError, OrtspecError
+from .batch_rows import BatchJob, BatchRow, BatchStats
+from .errors import ModelBusyError, NonFiniteLogitsError, OrtspecError
 from .graph_io import call_width
 from .prefix_cache import PrefixCache, shared_prefix
-from .validation import check_int, check_token_block, is_int
+from .validation import check_int
 
 GATHER_SECONDS = 0.003  # the least a call waits for the decoding rows that have no job yet
 WAIT_FRACTION = 0.5  # ... and the most, as a fraction of a recent batched call's duration
@@ -61,56 +60,6 @@ CALL_ALPHA = 0.2  # weight of the newest call in that recent duration
 PREFILL_CHUNK = 128  # prompt tokens a prefill call reads in all, while other rows decode
 PREFIX_WAIT_TOKENS = 16  # a prompt waits for an older one's if it then copies this many more
 IDLE_SECONDS = 1.0  # an idle runner thread checks this often whether its model is still used
-
-
-@dataclasses.dataclass(eq=False)
-class _Job:
-    row: "BatchRow"
-    tokens: np.ndarray  # [n] int64
-    prefill: bool  # read in prefill calls (chunked); else one row of a batched decode call
-    keep_all: bool = True  # return every position's logits (else the last one's)
-    offset: int = 0  # prefill: tokens fed so far
-    start: int | None = None  # prefill: the row's length before it (restored on failure)
-    parts: list = dataclasses.field(default_factory=list)
-    result: np.ndarray | None = None
-    error: BaseException | None = None
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-
-
-@dataclasses.dataclass
-class BatchStats:
-    """What the runner did: calls by rows and by S (for /metrics and benchmarks)."""
-
-    calls: int = 0
-    prefill_calls: int = 0
-    padded_rows: int = 0  # rows carried along without a job
-    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_hit_tokens: int = 0  # ... and found there (copied, not computed)
-    rows: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    widths: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
-
-    def record(self, *, rows: int, width: int, padded: int) -> None:
-        with self._lock:
-            self.calls += 1
-            self.rows[rows] += 1
-            self.widths[width] += 1
-            self.padded_rows += padded
-
-    def record_prefix(self, *, queried: int, hit: int) -> None:
-        with self._lock:
-            self.prefix_queried_tokens += queried
-            self.prefix_hit_tokens += hit
-
-    def prefix_snapshot(self) -> tuple[int, int]:
-        """(prompt tokens looked up in the prefix cache, those found there)."""
-        with self._lock:
-            return self.prefix_queried_tokens, self.prefix_hit_tokens
-
-    def snapshot(self) -> tuple[dict[int, int], dict[int, int], int]:
-        """(calls by rows, calls by S, padded rows), consistent with each other."""
-        with self._lock:
-            return dict(self.rows), dict(self.widths), self.padded_rows
 
 
 class BatchRunner:
@@ -130,11 +79,11 @@ class BatchRunner:
         self.stats = BatchStats()
         self._cond = threading.Condition()
         self._slots: list[BatchRow | None] = [None] * backend.max_rows  # pool row -> its row
-        self._jobs: dict[BatchRow, _Job] = {}  # decode jobs waiting for the next call
-        self._prefills: collections.deque[_Job] = collections.deque()
+        self._jobs: dict[BatchRow, BatchJob] = {}  # decode jobs waiting for the next call
+        self._prefills: collections.deque[BatchJob] = collections.deque()
         self._releases: list[BatchRow] = []
-        self._tasks: collections.deque[tuple[Callable[[BatchBackend, np.ndarray], Any], _Job]] = \
-            collections.deque()
+        self._tasks: collections.deque[
+            tuple[Callable[[BatchBackend, np.ndarray], Any], BatchJob]] = collections.deque()
         self._decoding: set[BatchRow] = set()  # rows expected at the next call
         self._first_wait: float | None = None  # when the oldest waiting decode job arrived
         self._call_seconds = 0.0  # running average of the batched calls' durations
@@ -159,7 +108,7 @@ class BatchRunner:
         """fn(backend, floors) on the runner's thread between calls, no row's call running
         meanwhile (measuring the cost surface); its result, or its exception. floors
         [max_rows] are the rows' valid lengths: fn may write past them, never below."""
-        job = _Job(None, np.zeros(0, np.int64), prefill=False)  # type: ignore[arg-type]
+        job = BatchJob(None, np.zeros(0, np.int64), prefill=False)  # type: ignore[arg-type]
         with self._cond:
             self._start()
             self._tasks.append((fn, job))
@@ -188,7 +137,8 @@ class BatchRunner:
 
     # -- called by rows (their request threads) --------------------------------------------------
 
-    def _submit(self, job: _Job) -> np.ndarray:
+    def submit(self, job: BatchJob) -> np.ndarray:
+        """Queue a row's job and wait for it: its logits, or its error raised."""
         with self._cond:
             self._start()
             if job.prefill:
@@ -206,7 +156,8 @@ class BatchRunner:
         assert job.result is not None
         return job.result
 
-    def _release(self, row: "BatchRow") -> None:
+    def release(self, row: BatchRow) -> None:
+        """A row's request is over: its pool row is given back before the next call."""
         with self._cond:
             self._decoding.discard(row)
             if row.index is not None:
@@ -252,7 +203,7 @@ class BatchRunner:
                                                    if not j.done.is_set())
         return True
 
-    def _next_work(self) -> tuple[list[_Job] | None, list[_Job] | None]:
+    def _next_work(self) -> tuple[list[BatchJob] | None, list[BatchJob] | None]:
         """Under the lock: wait for prompts to read (the prefill jobs waiting, oldest first) or
         a full (or timed-out) batch of decode jobs; (None, None) when closed, (None, []) for a
         task or after IDLE_SECONDS with nothing to do."""
@@ -283,7 +234,7 @@ class BatchRunner:
                 return None, []
             self._cond.wait(IDLE_SECONDS)
 
-    def _take_jobs(self) -> list[_Job]:
+    def _take_jobs(self) -> list[BatchJob]:
         """Under the lock: the decode jobs waiting now, for the next call."""
         jobs = list(self._jobs.values())
         self._jobs.clear()
@@ -306,7 +257,7 @@ class BatchRunner:
                 moved.index = i
         self._releases.clear()
 
-    def _place(self, job: _Job) -> None:
+    def _place(self, job: BatchJob) -> None:
         row = job.row
         if row.index is None:
             try:
@@ -317,7 +268,7 @@ class BatchRunner:
                 return
             self._slots[row.index] = row
 
-    def _prefill_call(self, waiting: list[_Job]) -> None:
+    def _prefill_call(self, waiting: list[BatchJob]) -> None:
         """One call reading the next chunks of the waiting prompts (see `_prefill_plan`)."""
         plan = self._prefill_plan([j for j in waiting if not j.done.is_set()])
         if not plan:
@@ -359,14 +310,14 @@ class BatchRunner:
                 job.result = np.concatenate(job.parts) if job.keep_all else job.parts[-1][0]
                 job.done.set()
 
-    def _prefill_plan(self, jobs: list[_Job]) -> list[tuple[_Job, int]]:
+    def _prefill_plan(self, jobs: list[BatchJob]) -> list[tuple[BatchJob, int]]:
         """(job, tokens it reads) for the next prefill call, in row order: the jobs oldest
         first, each its remaining tokens (at most the backend's `max_call`), while the call's
         `prefill_chunk` lasts. A job that
         wants every position's logits (a long block, not a prompt) runs alone. A job joins
         only if every row the call then covers has room for S positions past its valid length
         (the oldest job alone always has: its row's capacity holds its prompt)."""
-        plan: list[tuple[_Job, int]] = []
+        plan: list[tuple[BatchJob, int]] = []
         budget = self.prefill_chunk
         for k, job in enumerate(jobs):
             if budget <= 0 or (plan and job.keep_all):
@@ -386,13 +337,13 @@ class BatchRunner:
                 break
         return plan
 
-    def _prefill_span(self, plan: list[tuple[_Job, int]]) -> tuple[int, int, int]:
+    def _prefill_span(self, plan: list[tuple[BatchJob, int]]) -> tuple[int, int, int]:
         """(lo, hi, S) of the call for a plan in row order: the rows from its first job's to
         its last's, and its longest chunk (a single token padded to min_rows)."""
         lo, hi = plan[0][0].row.index, plan[-1][0].row.index + 1  # type: ignore[operator]
         return lo, hi, call_width(1, max(n for _, n in plan), self.backend.min_rows)
 
-    def _waits_for_prefix(self, job: _Job, older: list[_Job]) -> bool:
+    def _waits_for_prefix(self, job: BatchJob, older: list[BatchJob]) -> bool:
         """Whether a prompt not begun yet is better read later: an older prompt being read
         (into the cache once done) shares PREFIX_WAIT_TOKENS more leading tokens with it than
         the cache holds now. Several chat requests arriving at once then compute their system
@@ -409,25 +360,25 @@ class BatchRunner:
             return False
         return coming - cache.match(job.tokens)[1] >= PREFIX_WAIT_TOKENS
 
-    def _begin_prefill(self, job: _Job) -> None:
+    def _begin_prefill(self, job: BatchJob) -> None:
         """A prefill's first call: the row's length is noted, and a prompt on an empty row
         starts from the longest cached prefix it has."""
         if job.start is None:
             job.start = job.row.length
             self._reuse_prefix(job)
 
-    def _fail_prefill(self, job: _Job, error: BaseException) -> None:
+    def _fail_prefill(self, job: BatchJob, error: BaseException) -> None:
         assert job.start is not None
         job.row.length = job.start
         job.error = error
         job.done.set()
 
-    def _prefix_cache_for(self, job: _Job) -> PrefixCache | None:
+    def _prefix_cache_for(self, job: BatchJob) -> PrefixCache | None:
         """The prefix cache, for a prefill that reads a prompt into an empty row and wants only
         its last logits; None for any other (or without a cache)."""
         return None if job.start != 0 or job.keep_all else self.prefix_cache
 
-    def _reuse_prefix(self, job: _Job) -> None:
+    def _reuse_prefix(self, job: BatchJob) -> None:
         """A prompt on an empty row: copy the keys and values of the longest cached prefix it
         starts with, and prefill from there (only its last chunk's logits are wanted)."""
         row, cache = job.row, self._prefix_cache_for(job)
@@ -440,7 +391,7 @@ class BatchRunner:
             self.backend.load(row.index, entry.kv, n)
             row.length = job.offset = n
 
-    def _keep_prefix(self, job: _Job) -> None:
+    def _keep_prefix(self, job: BatchJob) -> None:
         """A prompt read from an empty row: its keys and values go into the prefix cache."""
         row, cache = job.row, self._prefix_cache_for(job)
         if cache is None:
@@ -455,7 +406,7 @@ class BatchRunner:
                 return
             cache.add(job.tokens, saved, nbytes)
 
-    def _decode_call(self, jobs: list[_Job]) -> None:
+    def _decode_call(self, jobs: list[BatchJob]) -> None:
         jobs = [j for j in jobs if not j.done.is_set()]
         if not jobs:
             return
@@ -520,52 +471,3 @@ def _serve(ref: "weakref.ref[BatchRunner]") -> None:
         if runner is None or not runner._step():
             return
         del runner
-
-
-class BatchRow:
-    """A `Decoder` whose calls the runner batches with the other rows' (one request at a time,
-    like any decoder). `release` gives its pool row back when the request ends."""
-
-    def __init__(self, runner: BatchRunner) -> None:
-        self.runner = runner
-        backend = runner.backend
-        self.vocab_size: int = backend.vocab_size
-        self.max_verify_len: int = runner.max_verify_len
-        # a row carried along in someone else's call appends up to max_verify_len tokens
-        self.capacity: int = backend.capacity - runner.max_verify_len
-        self.ort_seconds = 0.0  # time of the calls this row took part in
-        self.length = 0  # set by this row's thread (truncate, reset) and by the runner
-        self.index: int | None = None  # its row of the pool (the runner's to change)
-
-    def reset(self) -> None:
-        self.length = 0
-
-    def truncate(self, length: int) -> None:
-        if not is_int(length):
-            raise InvalidOptionError(f"truncate length must be an integer, got {length!r}")
-        if not 0 <= length <= self.length:
-            raise InvalidOptionError(f"cannot truncate to {length}: the cache holds "
-                                     f"{self.length} tokens (allowed 0..{self.length})")
-        self.length = int(length)
-
-    def forward_token(self, token: int) -> np.ndarray:  # [vocab]
-        return self.runner._submit(_Job(self, self._check([token]), prefill=False))[0]
-
-    def forward_batch(self, tokens: Sequence[int]) -> np.ndarray:  # [n, vocab]
-        ids = self._check(tokens)
-        return self.runner._submit(_Job(self, ids, prefill=ids.size > self.max_verify_len))
-
-    def prefill(self, tokens: Sequence[int]) -> np.ndarray:  # [vocab]
-        return self.runner._submit(_Job(self, self._check(tokens), prefill=True, keep_all=False))
-
-    def release(self) -> None:
-        """The request is over: the pool row goes back (the cache is dropped)."""
-        self.length = 0
-        self.runner._release(self)
-
-    def _check(self, tokens: Sequence[int]) -> np.ndarray:
-        return check_token_block(tokens, vocab_size=self.vocab_size, length=self.length,
-                                 capacity=self.capacity)
-
-    def __repr__(self) -> str:
-        return f"BatchRow(index={self.index}, length={self.length}, capacity={self.capacity})"

@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .model import load_model
+    from .load import load_model
 
     t0 = time.perf_counter()
     path = model_arg(args.model)

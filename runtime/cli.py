@@ -63,7 +63,8 @@ def _check_generate_args(args: argparse.Namespace) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from .decode import SpeculativeOptions
-    from .model import DrafterSpec, load_model
+    from .load import load_model
+    from .model import DrafterSpec
 
     prompt = _check_generate_args(args)
     if args.recalibrate and args.fixed_draft_len:

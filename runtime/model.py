@@ -1,4 +1,4 @@
-"""`load_model`: a model directory -> shared sessions + tokenizer + chat format, ready to serve.
+"""`Model`: shared sessions + tokenizer + chat format, ready to serve (made by `load_model`).
 
 A `Model` holds what every request shares, read-only: the ONNX Runtime sessions (the weights,
 packed once), the tokenizer, the manifest, and the cost-model policy's cross-request estimates
@@ -17,7 +17,6 @@ give.
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 from pathlib import Path
 from typing import Any, Generator, Iterator, Sequence
@@ -25,8 +24,9 @@ from typing import Any, Generator, Iterator, Sequence
 from . import manifest as mf
 from .counters import DecodeCounters
 from .batch_backend import OrtBatchBackend
-from .batching import BatchRow, BatchRunner
-from .prefix_cache import DEFAULT_PREFIX_CACHE_MIB, MIB, prefix_cache_bytes
+from .batch_rows import BatchRow
+from .batching import BatchRunner
+from .prefix_cache import DEFAULT_PREFIX_CACHE_MIB, MIB
 from .calibration import CalibrationKey, CostSurface, calibrated_cost_curve, \
     calibrated_cost_surface, step_cost_ratio
 from .decode import (
@@ -416,79 +416,7 @@ class TextStream:
             yield self.result.text[shown:]
 
 
-def _check_pairing(target: mf.Manifest, draft: mf.Manifest, draft_dir: Path) -> None:
-    """A draft must speak the target's tokens: same vocabulary, same tokenizer file."""
-    if draft.architecture.vocab_size != target.architecture.vocab_size:
-        raise InvalidOptionError(
-            f"draft {draft_dir} has a vocabulary of {draft.architecture.vocab_size}, "
-            f"the target {target.architecture.vocab_size}: they must share a tokenizer"
-        )
-    if draft.files.get(draft.tokenizer) != target.files.get(target.tokenizer):
-        raise InvalidOptionError(f"draft {draft_dir} has a different tokenizer from the target's")
-
-
 def _calibration_key(sessions: OrtSessions) -> CalibrationKey:
     """What the cost curve or surface measured on these sessions' calls is cached under."""
     return CalibrationKey(str(sessions.model_dir), sessions.graph_digest, tuple(sessions.providers),
                           sessions.intra_op_threads, sessions.min_call_rows)
-
-
-def load_model(
-    path: str | os.PathLike,
-    *,
-    providers: Any = None,
-    threads: int | None = None,
-    draft: str | os.PathLike | bool | None = None,
-    max_concurrent: int = DEFAULT_MAX_CONCURRENT,
-    when_busy: WhenBusy = "wait",
-    busy_timeout: float | None = None,
-    batch: bool | None = None,
-    prefix_cache_mib: float = DEFAULT_PREFIX_CACHE_MIB,
-) -> Model:
-    """Read and check `path/manifest.json`, open its entry points, load its tokenizer.
-
-    `draft`: a draft model directory to pair with the target, or True to take the one the
-    target's manifest lists (`extra["drafts"]`, first entry).
-    `max_concurrent`: how many requests decode at once (each holds a slot of KV state, made on
-    first need: `Model.slot_bytes` each, about 114 MiB for the default model in fp32 at
-    capacity 2048). A request beyond that waits for a slot (`when_busy="wait"`, for at most
-    `busy_timeout` seconds if given) or fails at once with ModelBusyError (`"error"`).
-    `batch`: decode concurrent requests in shared calls (`ortspec.runtime.batching`); None
-    (default) does when the graph takes several rows (manifest `max_batch` > 1: an export with
-    `--attention window`) and `max_concurrent` > 1. The rows are then at most `max_batch`.
-    `prefix_cache_mib`: a batching model keeps the keys and values of recent prompts, up to
-    this many MiB (and as many again for a batched draft), and copies them into a new request
-    that starts with the same tokens (a shared system prompt, a conversation's earlier turns)
-    instead of computing them (`ortspec.runtime.prefix_cache`); 0 turns it off.
-    """
-    from tokenizers import Tokenizer
-
-    cache_bytes = prefix_cache_bytes(prefix_cache_mib)  # checked before anything is opened
-    root = Path(path)
-    manifest = mf.read_manifest(root)
-    tok_path = mf.safe_member(root, manifest.tokenizer, what="manifest.tokenizer")
-    try:
-        tokenizer = Tokenizer.from_file(str(tok_path))
-    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception on bad JSON
-        raise mf.ManifestError(f"{manifest.tokenizer!r} is not a tokenizers file: {e}") from None
-    draft_dir = draft_manifest = None
-    if draft:
-        if draft is True:
-            drafts = manifest.extra.get("drafts") or []
-            if not drafts:
-                raise InvalidOptionError(f"{root} lists no draft model in its manifest")
-            draft_dir = mf.safe_member(root, drafts[0], what="manifest.extra.drafts")
-        else:
-            draft_dir = Path(draft)
-        draft_manifest = mf.read_manifest(draft_dir)
-        _check_pairing(manifest, draft_manifest, draft_dir)
-    # two models in one process: their intra-op threads must not spin against each other
-    sessions = OrtSessions(root, manifest=manifest, providers=providers, threads=threads,
-                           allow_spinning=draft_dir is None)
-    draft_sessions = None
-    if draft_dir is not None:
-        draft_sessions = OrtSessions(draft_dir, manifest=draft_manifest, providers=providers,
-                                     threads=threads, allow_spinning=False)
-    return Model(sessions=sessions, tokenizer=tokenizer, manifest=manifest, path=root,
-                 draft_sessions=draft_sessions, max_concurrent=max_concurrent, when_busy=when_busy,
-                 busy_timeout=busy_timeout, batch=batch, prefix_cache_bytes=cache_bytes)

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Callable, Iterator, Literal
 
-from .batching import BatchRow
+from .batch_rows import BatchRow
 from .errors import InvalidOptionError, ModelBusyError
 from .ort_decoder import OrtDecoder
 from .validation import check_int

@@ -11,7 +11,7 @@ import sys
 import time
 
 from ortspec.runtime import SpeculativeOptions
-from ortspec.runtime.model import load_model
+from ortspec.runtime.load import load_model
 
 PROMPT = """Summarize the following text in two sentences.
 

@@ -83,7 +83,7 @@ def main() -> int:
 
     from ortspec.export import export_model
     from ortspec.runtime import PromptLookupSpeculator, SpeculativeOptions, plain_decode, speculative_decode_with
-    from ortspec.runtime.model import load_model
+    from ortspec.runtime.load import load_model
 
     src = source_checkpoint(args.source, args.work)
     flavours = [("CUDAExecutionProvider", "gqa")]

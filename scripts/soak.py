@@ -48,7 +48,7 @@ import numpy as np
 from ortspec.bench.workload import default_questions_path, interleave_categories, load_questions
 from ortspec.runtime import PromptLookupSpeculator, SpeculativeOptions
 from ortspec.runtime.paths import default_model_path
-from ortspec.runtime.model import load_model
+from ortspec.runtime.load import load_model
 
 MODES = ("speculative", "plain")
 TEMPERATURES = (0.0, 0.7, 1.0)

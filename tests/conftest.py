@@ -17,3 +17,11 @@ def _private_calibration_cache(tmp_path_factory):
         os.environ.pop("ORTSPEC_CACHE_DIR", None)
     else:
         os.environ["ORTSPEC_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="session")
+def window_fp32():
+    """The default model exported with `--attention window` (batched decoding), fp32."""
+    from ortspec.export import ensure_default_model
+
+    return ensure_default_model(attention="window", progress=False)

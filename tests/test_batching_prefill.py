@@ -58,7 +58,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 def _prefill_calls(backend: ReferenceBatchBackend, since: int) -> list[tuple[int, list[int]]]:
-    """(first row of the call, real tokens per row) of the calls since `since` that read
+    """(rows of the call, real tokens in each row) of the calls since `since` that read
     prompts (more than one real token in a row)."""
     out = []
     for (rows, s), real in zip(backend.calls[since:], backend.real[since:], strict=True):
@@ -66,6 +66,28 @@ def _prefill_calls(backend: ReferenceBatchBackend, since: int) -> list[tuple[int
         if max(per_row) > 1:
             out.append((rows, per_row))
     return out
+
+
+def _decode_queued_together(runner: BatchRunner, prompts: list[list[int]],
+                            options: SpeculativeOptions) -> list[list[int]]:
+    """Plain decodes of `prompts`, each on its own row and thread, their prefills all queued
+    before the runner reads any of them; the tokens, in order."""
+    results: list = [None] * len(prompts)
+
+    def decode(i: int) -> None:
+        row = runner.row()
+        try:
+            results[i] = plain_decode(row, prompts[i], options).tokens
+        finally:
+            row.release()
+
+    threads = [threading.Thread(target=decode, args=(i,)) for i in range(len(prompts))]
+    with _runner_held(runner, waiting=len(prompts)):
+        for t in threads:
+            t.start()
+    for t in threads:
+        t.join(120)
+    return results
 
 
 def test_prompts_waiting_together_share_calls_within_the_budget_and_decode_as_alone():
@@ -77,23 +99,8 @@ def test_prompts_waiting_together_share_calls_within_the_budget_and_decode_as_al
     prompts = [_prompt(n + 1, seed) for seed, n in enumerate((10, 14, 7, 9))]
     options = SpeculativeOptions(12)
     expected = [plain_decode(ReferenceDecoder(GREEDY), p, options).tokens for p in prompts]
-    results: list = [None] * len(prompts)
-
-    def decode(i: int) -> None:
-        row = runner.row()
-        try:
-            results[i] = plain_decode(row, prompts[i], options).tokens
-        finally:
-            row.release()
-
-    threads = [threading.Thread(target=decode, args=(i,)) for i in range(len(prompts))]
     since = len(backend.calls)
-    with _runner_held(runner, waiting=len(prompts)):
-        for t in threads:
-            t.start()
-    for t in threads:
-        t.join(120)
-    assert results == expected
+    assert _decode_queued_together(runner, prompts, options) == expected
     calls = _prefill_calls(backend, since)
     assert sum(map(sum, (per_row for _, per_row in calls))) == 40
     assert [sum(per_row) for _, per_row in calls] == [24, 16]  # the budget, over all rows
@@ -117,23 +124,8 @@ def test_prompts_arriving_with_a_shared_prefix_compute_it_once():
     options = SpeculativeOptions(8)
     cases = prompts + [other]
     expected = [plain_decode(ReferenceDecoder(GREEDY), p, options).tokens for p in cases]
-    results: list = [None] * len(cases)
-
-    def decode(i: int) -> None:
-        row = runner.row()
-        try:
-            results[i] = plain_decode(row, cases[i], options).tokens
-        finally:
-            row.release()
-
-    threads = [threading.Thread(target=decode, args=(i,)) for i in range(len(cases))]
     since = len(backend.calls)
-    with _runner_held(runner, waiting=len(cases)):
-        for t in threads:
-            t.start()
-    for t in threads:
-        t.join(120)
-    assert results == expected
+    assert _decode_queued_together(runner, cases, options) == expected
     queried, hit = runner.stats.prefix_snapshot()
     assert hit == 20 * 3  # the system prompt computed once, copied three times
     assert queried == sum(len(p) - 1 for p in cases)
@@ -183,13 +175,6 @@ def test_a_row_between_the_prompts_is_ridden_only_where_it_has_room(rider_length
 
 
 # -- the real default model --------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def window_fp32():
-    from ortspec.export import ensure_default_model
-
-    return ensure_default_model(attention="window", progress=False)
 
 
 @pytest.mark.slow

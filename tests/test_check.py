@@ -13,7 +13,7 @@ from scipy import special, stats
 from ortspec.runtime import check, check_cli
 from ortspec.runtime.check import run_checks
 from ortspec.runtime.stats import chi2_sf, chi_squared_test, regularized_gamma_q
-from ortspec.runtime.model import load_model
+from ortspec.runtime.load import load_model
 from ortspec.runtime.sampling import sample_from
 
 # -- the p-value without scipy ---------------------------------------------------------------------

@@ -45,7 +45,7 @@ from ortspec.runtime import (
     warp,
 )
 from ortspec.runtime.cli import main as cli_main
-from ortspec.runtime.model import load_model
+from ortspec.runtime.load import load_model
 
 CFG = ReferenceConfig(vocab_size=12, d_model=16, n_layers=1, n_heads=2, capacity=24, seed=3)
 PROMPT = [1, 2, 3, 1, 2]
@@ -227,9 +227,9 @@ def test_a_bad_draft_context_is_refused(decoder, context, match):
 def test_bad_options_through_the_cli_before_the_model_loads(capsys, monkeypatch, tmp_path, flags,
                                                             match):
     """Refused from the arguments alone: a model directory that does not exist is never read."""
-    import ortspec.runtime.model as model_mod
+    import ortspec.runtime.load as load_mod
 
-    monkeypatch.setattr(model_mod, "load_model",
+    monkeypatch.setattr(load_mod, "load_model",
                         lambda *a, **k: pytest.fail("the model was loaded before the check"))
     line = cli_error(capsys, "generate", "--model", str(tmp_path / "none"), "--prompt", "hi", *flags)
     assert re.search(match, line), line

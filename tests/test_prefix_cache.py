@@ -162,13 +162,6 @@ def test_concurrent_requests_sharing_a_prefix_give_their_solo_outputs(temperatur
 # -- the real default model --------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def window_fp32():
-    from ortspec.export import ensure_default_model
-
-    return ensure_default_model(attention="window", progress=False)
-
-
 @pytest.mark.slow
 def test_prefill_after_a_copied_prefix_is_bitwise_the_whole_prefill(window_fp32):
     from ortspec.runtime import load_model

@@ -23,7 +23,7 @@ from ortspec.runtime import (
     speculative_decode_with,
 )
 from ortspec.runtime.draft_length import AdaptiveDraftLength, CostCurve
-from ortspec.runtime.model import load_model
+from ortspec.runtime.load import load_model
 
 pytestmark = pytest.mark.slow
 

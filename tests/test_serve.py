@@ -517,3 +517,58 @@ def test_ray_serve_two_replicas_answer_through_the_openai_client(model_dir, mode
         assert s.proc.wait(120) == 0, s.output()
     finally:
         s.stop()
+
+
+@pytest.mark.slow
+def test_ray_serve_replica_on_the_batched_export_batches_with_the_serial_texts(window_fp32):
+    """`ortspec serve --ray` on the `--attention window` export: the replica's requests decode
+    in shared calls (its /metrics), the prompt cache finds the system prompt, and every text is
+    the one the model gives alone, a bad request among them."""
+    pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'ortspec[ray]')")
+    import openai
+
+    from ortspec.runtime import SpeculativeOptions, load_model
+
+    name = window_fp32.name
+    solo = load_model(window_fp32, max_concurrent=1, batch=False)
+    s = Server(window_fp32, "--ray", "--replicas", "1", "--threads", "2", "--max-concurrent",
+               "4", env={"RAY_USAGE_STATS_ENABLED": "0"}, ready_s=300, stop_s=120)
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        prompts = ["Name a fruit.", "What is 3 + 4?", "Say hello in French.", "Name a planet."]
+
+        def ask(i: int):
+            if i == len(prompts):  # bad input among the good
+                with pytest.raises(openai.BadRequestError):
+                    client.chat.completions.create(
+                        model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=0)
+                return None
+            r = client.chat.completions.create(
+                model=name, messages=[{"role": "user", "content": prompts[i]}], max_tokens=12,
+                temperature=0)
+            return r.choices[0].message.content
+
+        got: list = [None] * (len(prompts) + 1)
+        errors: list[BaseException] = []
+
+        def run(i: int) -> None:
+            try:
+                got[i] = ask(i)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(got))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+        for p, text in zip(prompts, got, strict=False):
+            want = solo.generate(p, chat=True, options=SpeculativeOptions(12)).text
+            assert text == want, p
+        assert s.metric("ortspec:batch_rows_sum") > s.metric("ortspec:batch_rows_count") > 0
+        assert s.metric("vllm:prefix_cache_hits_total") >= 20
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(120) == 0, s.output()
+    finally:
+        s.stop()

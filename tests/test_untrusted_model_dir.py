@@ -24,7 +24,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ortspec.runtime import manifest as mf
 from ortspec.runtime.errors import ManifestError
-from ortspec.runtime.model import load_model
+from ortspec.runtime.load import load_model
 from ortspec.runtime.onnx_guard import read_graph_summary
 from ortspec.runtime.ort_decoder import OrtDecoder
 

@@ -83,7 +83,7 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..model import load_model
+    from ..load import load_model
 
     args = build_parser().parse_args(argv)
     _check(args)

@@ -39,7 +39,7 @@ class OrtspecServer:
                  draft: str | bool | None = None, max_concurrent: int = 4,
                  max_queue: int = 64, busy_timeout: float = 60.0,
                  prefix_cache_mib: float = DEFAULT_PREFIX_CACHE_MIB) -> None:
-        from ..model import load_model
+        from ..load import load_model
 
         self.model = load_model(model_dir, providers=providers, threads=threads, draft=draft,
                                 max_concurrent=max_concurrent, when_busy="wait",
