@@ -95,9 +95,11 @@ class OrtBatchBackend:
                                 f"batched decoding")
         self._takes_token_rows = mf.TOKEN_ROWS in {i.name for i in self._session.get_inputs()}
         self._names = sessions.kv_names
-        # [max_rows, kv_heads, capacity, head_dim] per layer and key/value
-        self._kv = [np.zeros((self.max_rows, a.num_kv_heads, m.capacity, a.head_dim),
-                             sessions.kv_dtype) for _ in self._names]
+        # [max_rows, kv_heads, capacity, head_dim] per layer and key/value, every page written
+        # now: left to the first write, a fresh row faults in its pages in the middle of a call
+        # that every row waits for (the default model in fp32: ~90 MiB a row, about 300 ms here)
+        self._kv = [np.full((self.max_rows, a.num_kv_heads, m.capacity, a.head_dim), 0,
+                            sessions.kv_dtype) for _ in self._names]
         longest = self.max_rows * max(sessions.max_verify_len, self.min_rows)
         self._logits = np.empty(max(longest, self.max_call) * self.vocab_size, np.float32)
         self._mask = np.zeros(self.max_rows * (m.capacity + 1), np.int64)
