@@ -36,6 +36,7 @@ from ortspec.runtime.graph_io import TOKEN_ROWS, call_width, logit_rows_for, tok
 from ortspec.runtime.sampling import DraftBlock
 from stats_helpers import assert_matches_marginals
 from helpers_decode import SMALL, exact_marginals
+from helpers_threads import in_threads
 
 GREEDY = ReferenceConfig(vocab_size=24, d_model=32, n_layers=2, n_heads=4, capacity=160,
                          logit_scale=4.0, seed=1)
@@ -50,26 +51,6 @@ def _prompts(n: int, seed: int = 3) -> list[list[int]]:
         noise = rng.integers(0, GREEDY.vocab_size, size=3 + 4 * i % 11).tolist()
         out.append(noise + motif + noise[:2] + motif)
     return out
-
-
-def _in_threads(fn, items) -> list:
-    """fn(item) for every item, each in its own thread, started together; results in order."""
-    results: list = [None] * len(items)
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            results[i] = fn(items[i])
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(items))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-    return results
 
 
 # -- the scheduling, on the reference model -------------------------------------------------------
@@ -101,7 +82,7 @@ def test_batched_rows_decode_exactly_as_alone_greedy(min_rows):
 
     for speculative in (False, True):
         backend.calls.clear()
-        results = _in_threads(decode, [(p, speculative) for p in prompts])
+        results = in_threads(decode, [(p, speculative) for p in prompts])
         assert [r.tokens for r in results] == expected
         assert max(rows for rows, _ in backend.calls) >= 2
         if speculative:
@@ -139,7 +120,7 @@ def test_a_row_leaving_moves_the_last_row_into_its_place():
         finally:
             rows[i].release()
 
-    assert _in_threads(decode, [0, 1, 2]) == expected
+    assert in_threads(decode, [0, 1, 2]) == expected
     assert (2, 0) in moves or (1, 0) in moves
     runner.close()
 
@@ -170,7 +151,7 @@ def test_a_row_with_non_finite_logits_fails_only_its_request():
             row.release()
 
     jobs = [prompts[0], bad, prompts[2], prompts[3]]
-    results = _in_threads(decode, jobs)
+    results = in_threads(decode, jobs)
     assert isinstance(results[1], NonFiniteLogitsError)
     for i in (0, 2, 3):
         expected = plain_decode(solo, jobs[i], options).tokens
@@ -211,7 +192,7 @@ def test_sampled_batched_rows_match_the_exact_marginals(case):
                 totals["drafted"] += res.counters.drafted
         row.release()
 
-    _in_threads(worker, list(range(width)))
+    in_threads(worker, list(range(width)))
     assert counts.sum() == n_runs * n_new
     assert 0 < totals["accepted"] < totals["drafted"]
     assert max(rows for rows, _ in backend.calls) == width
@@ -241,7 +222,7 @@ def test_rows_decoding_together_stay_in_one_call():
         finally:
             row.release()
 
-    _in_threads(decode, prompts)
+    in_threads(decode, prompts)
     rows, _, _ = runner.stats.snapshot()
     assert rows.get(2, 0) >= 0.8 * sum(rows.values()), rows
     runner.close()
@@ -463,7 +444,7 @@ def test_concurrent_requests_on_the_batched_model_give_their_serial_outputs(wind
                           options=SpeculativeOptions(24, temperature=t, seed=s)).tokens
 
     serial = [run(solo, c) for c in cases]
-    assert _in_threads(lambda c: run(model, c), cases) == serial
+    assert in_threads(lambda c: run(model, c), cases) == serial
     assert max(model.runner.stats.rows) >= 2
     greedy = {(q, d): tok for (q, d, t, _), tok in zip(cases, serial, strict=True) if t == 0}
     assert all(greedy[q, "none"] == greedy[q, "prompt-lookup"] for q in questions)
@@ -493,11 +474,11 @@ def test_a_batched_draft_model_drafts_in_shared_calls_with_every_serial_output()
                                                      seed=seed)).tokens
 
     serial = [run(solo, q, "none") for q in questions]
-    assert _in_threads(lambda q: run(model, q, "draft-model"), questions) == serial
+    assert in_threads(lambda q: run(model, q, "draft-model"), questions) == serial
     assert max(model.draft_runner.stats.rows) >= 2  # draft steps shared a call
     # one request at a time on the same model: each row drafts alone in its calls
     seeded = [run(model, q, "draft-model", 0.8, 5) for q in questions]
-    assert _in_threads(lambda q: run(model, q, "draft-model", 0.8, 5), questions) == seeded
+    assert in_threads(lambda q: run(model, q, "draft-model", 0.8, 5), questions) == seeded
 
 
 @pytest.mark.slow
@@ -529,7 +510,7 @@ def test_serve_batches_concurrent_openai_clients_with_their_serial_texts(window_
                                           max_tokens=16, temperature=0)
             return (q, r.choices[0].message.content)
 
-        answers = _in_threads(ask, list(range(12)))
+        answers = in_threads(ask, list(range(12)))
         for q, text in answers:
             if q == "bad":
                 assert text == 400

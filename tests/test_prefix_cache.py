@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from helpers_decode import GREEDY
+from helpers_threads import in_threads
 from ortspec.runtime import (
     PromptLookupSpeculator,
     ReferenceDecoder,
@@ -133,27 +134,17 @@ def test_concurrent_requests_sharing_a_prefix_give_their_solo_outputs(temperatur
 
     cases = [(p, s) for p in prompts for s in (False, True)]
     expected = [decode(ReferenceDecoder(CONFIG), p, s) for p, s in cases]
-    results: list = [None] * len(cases)
-    errors: list[BaseException] = []
     pool = threading.Semaphore(3)
 
-    def run(i: int) -> None:
+    def run(case):
         with pool:
             row = runner.row()
             try:
-                results[i] = decode(row, *cases[i])
-            except BaseException as e:  # noqa: BLE001 - re-raised below
-                errors.append(e)
+                return decode(row, *case)
             finally:
                 row.release()
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-    assert results == expected
+    assert in_threads(run, cases) == expected
     _, hit = runner.stats.prefix_snapshot()
     assert hit >= 16 * (len(cases) - 3)  # all but the first requests to run found the prefix
     runner.close()

@@ -33,6 +33,7 @@ from ortspec.runtime.serve.engine import Admission, QueueFull  # noqa: E402
 from ortspec.runtime.serve.protocol import ApiError, ModelInfo, parse_chat, parse_completion  # noqa: E402
 from ortspec.runtime.serve.stops import StopMatcher, tokens_through  # noqa: E402
 from helpers_serve import Server  # noqa: E402
+from helpers_threads import in_threads  # noqa: E402
 
 # -- without a model ------------------------------------------------------------------------------
 
@@ -548,21 +549,7 @@ def test_ray_serve_replica_on_the_batched_export_batches_with_the_serial_texts(w
                 temperature=0)
             return r.choices[0].message.content
 
-        got: list = [None] * (len(prompts) + 1)
-        errors: list[BaseException] = []
-
-        def run(i: int) -> None:
-            try:
-                got[i] = ask(i)
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(got))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        assert not errors, errors
+        got = in_threads(ask, list(range(len(prompts) + 1)), timeout=300)
         for p, text in zip(prompts, got, strict=False):
             want = solo.generate(p, chat=True, options=SpeculativeOptions(12)).text
             assert text == want, p
