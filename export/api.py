@@ -37,6 +37,7 @@ from .errors import ExportOptionError
 from .graph_spec import ATTENTIONS, DEFAULT_OPSET, LM_HEADS, MAX_OPSET, MIN_OPSET, \
     QUANT_SCHEMES, QUANTS, GraphOptions, WeightQuant, weight_quant
 from .graphs import build_decoder
+from .row_probe import PROBE_FILE, write_row_probe
 from .sources import DEFAULT_RECIPE, Source, identify_source, materialize, models_dir, \
     source_num_layers
 
@@ -51,8 +52,10 @@ STAGES = ("load", "build", "save", "validate", "checksums")
 # rows the `logit_rows` input names only; 4: the window flavour attends with two MatMuls per KV head
 # over its whole group of query heads (no padded query at G >= 2); 5: the window flavour packs
 # its tokens (the `token_rows` input); 6: quantized layers run on flat rows, the block-min
-# offsets added by one Gemm
-EXPORTER_REVISION = 6
+# offsets added by one Gemm; 7: a quantized GQA graph pads a lone query's attention itself
+# (min_attention_rows) instead of the runtime padding the whole call, and only block-min layers
+# run on flat rows
+EXPORTER_REVISION = 7
 # the providers each graph flavour is built for (see runtime/providers.py): ORT's CUDA GQA
 # kernel is fp16/bf16 only and TensorRT does not import GQA; standard ONNX ops run anywhere
 GRAPH_PROVIDERS = {("gqa", "fp32"): "CPUExecutionProvider",
@@ -61,12 +64,13 @@ GRAPH_PROVIDERS = {("gqa", "fp32"): "CPUExecutionProvider",
                    ("window", "fp32"): "CPUExecutionProvider"}
 # manifest extra.attention: the op that attends (revision 4 and earlier window exports: "Attention")
 ATTENTION_OPS = {"gqa": "GroupQueryAttention", "standard": "Attention", "window": "MatMul"}
-# the fewest rows a call runs (Manifest.min_call_rows), by whether the weights are quantized:
-# onnxruntime's one-row MatMulNBits path rounds differently from its several-row path by up to
-# 0.8 logits on SmolLM2-135M (runtime/row_invariance.py); padding every call to two rows makes a
-# step equal its row in a verify block bit for bit. Float graphs differ by ~3e-5 and keep 1 row
-# (a step padded to two costs about 1.1x; `ortspec check` reports their row invariance).
-MIN_CALL_ROWS = {False: 1, True: 2}
+# Why a step and a verify row of a quantized graph can differ (runtime/row_invariance.py):
+# onnxruntime 1.32's CPU GroupQueryAttention computes a lone query row on another path than a
+# row among several (3e-8 apart); the int8 rounding of the next MatMulNBits' activations makes
+# that up to 0.7 logits on SmolLM2-135M. MatMulNBits itself (accuracy level 4) computes a row
+# alike at every M. So a quantized GQA graph pads a one-token call's attention to two query
+# rows itself (Manifest.min_attention_rows 2) and its MatMuls run the one row. Float graphs
+# differ by ~3e-5 and pad nothing (`ortspec check` reports their row invariance).
 # rows of one batched call (Manifest.max_batch). onnxruntime 1.32's CPU GroupQueryAttention
 # refuses "batch_size > 1 when sequence_length > 1 and past context is given", so the batched
 # graph is the "window" flavour: two MatMuls per KV head over the first W cache slots (W the
@@ -79,9 +83,15 @@ MAX_BATCH = {"gqa": 1, "standard": 1, "window": 16}
 
 
 def min_call_rows(*, quant: str | None, attention: str) -> int:
-    """Manifest.min_call_rows of an export: 2 for quantized weights and for the window flavour,
-    whose one-row calls round differently from their rows among several; else 1."""
-    return 2 if attention == "window" else MIN_CALL_ROWS[quant is not None]
+    """Manifest.min_call_rows of an export: 2 for the window flavour, whose one-row calls
+    round differently from their rows among several (its float MatMuls); else 1."""
+    return 2 if attention == "window" else 1
+
+
+def min_attention_rows(*, quant: str | None, attention: str) -> int:
+    """Manifest.min_attention_rows of an export: 2 for a quantized GQA graph (the graph pads a
+    lone query, GraphOptions.pad_lone_query); else 1."""
+    return 2 if quant is not None and attention == "gqa" else 1
 DRAFT_KINDS = ("int4", "layers")  # ensure_default_draft's kinds
 DEFAULT_DRAFT_LAYERS = 15  # ensure_default_draft("layers"): half of SmolLM2-135M's 30 layers
 
@@ -122,7 +132,8 @@ def check_options(*, capacity: int, max_verify_len: int, dtype: str, opset: int,
                                     f"com.microsoft op) with float32 activations: it needs "
                                     f"attention 'gqa' or 'window' and dtype='fp32', got "
                                     f"{attention!r} and {dtype!r}")
-    rows = min_call_rows(quant=quant, attention=attention)
+    rows = max(min_call_rows(quant=quant, attention=attention),
+               min_attention_rows(quant=quant, attention=attention))
     if max_verify_len < rows:
         raise ExportOptionError(f"max_verify_len must be at least {rows} with quant={quant!r} "
                                 f"and attention={attention!r}")
@@ -201,10 +212,10 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
     "standard" (ONNX opset-24 Attention/TensorScatter/RotaryEmbedding, for TensorRT).
     opset: the ai.onnx opset; None picks the attention flavour's default (21 or 24).
     quant: "int4" stores the target's linear weights as MatMulNBits (graph_spec.QUANTS: 4-bit
-    blocks of 32, a GGUF's Q4_1 blocks exactly; the LM head and a tied embedding at 8 bits) and
-    pads every call to two rows so that speculative decoding stays token-for-token exact
-    (`MIN_CALL_ROWS`); the default directory name ends in -int4. A draft exported with it is
-    quantized too. With quant, lm_head ("int8", "int4" or "fp32") is the LM head's precision
+    blocks of 32, a GGUF's Q4_1 blocks exactly; the LM head and a tied embedding at 8 bits);
+    its graph pads a one-token call's attention to two query rows so that speculative decoding
+    stays token-for-token exact (`min_attention_rows`); the default directory name ends in
+    -int4. A draft exported with it is quantized too. With quant, lm_head ("int8", "int4" or "fp32") is the LM head's precision
     (int8 also stores a tied embedding) and quant_scheme ("block-min", "zero-point",
     "symmetric"; quantize.py) the linear weights' 4-bit scheme.
 
@@ -306,12 +317,16 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
     cos, sin = ckpt.rope_tables(capacity)
     layers = ckpt.spec.num_layers
     options = GraphOptions(capacity=capacity, dtype=dtype, opset=opset, attention=attention,
-                           quant=quant)
+                           quant=quant,
+                           pad_lone_query=min_attention_rows(quant=quant, attention=attention) > 1)
     files = build_decoder(ckpt.spec, options,
                           ckpt.weight, cos, sin, graph_path=tmp / GRAPH_FILE,
                           data_path=tmp / DATA_FILE,
                           on_layer=lambda i: stage(f"build: layer {i + 1}/{layers}"),
                           local_rope=ckpt.local_rope_tables(capacity))
+    # the kernels a padded lone query leaves on one row, for the runtime to test where it runs
+    probe = PROBE_FILE if options.pad_lone_query and \
+        write_row_probe(tmp / GRAPH_FILE, tmp / PROBE_FILE) else None
     bar.update()
 
     stage("save")
@@ -341,6 +356,8 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
                "weight_bytes": files.weight_bytes,
                **_weight_format(options, files)},
         min_call_rows=min_call_rows(quant=quant, attention=attention),
+        min_attention_rows=min_attention_rows(quant=quant, attention=attention),
+        row_probe=probe,
         max_batch=MAX_BATCH[attention],
     )
     bar.update()
@@ -356,7 +373,7 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
 
     stage("checksums")
     checksums = {name: mf.sha256_file(tmp / name) for name in (GRAPH_FILE, DATA_FILE,
-                                                               TOKENIZER_FILE)}
+                                                               TOKENIZER_FILE, probe) if name}
     extra = {**manifest.extra, "validation": report.as_dict(),
              "export_seconds": round(time.perf_counter() - started, 2)}
     manifest = dataclasses.replace(manifest, files=checksums, extra=extra)

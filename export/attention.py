@@ -45,19 +45,38 @@ class Flavour:
 
 
 def _gqa_preamble(b: GraphBuilder) -> dict[str, str]:
+    """seqlens_k = row sum of the mask - 1 (int32 [1]); total_sequence_length = mask width.
+
+    With GraphOptions.pad_lone_query, a call of S = 1 attends as a call of two tokens: both
+    count one more ("extra" = max(2 - S, 0)), and "q_pads" pads the [B, S, qkv] input with a
+    copy of its last row ("seq" is S, to drop the copy's output after). onnxruntime 1.32's CPU
+    GroupQueryAttention computes one query row on another path than a row among several (3e-8
+    apart in layer 0; through int8-rounded activations 0.5-0.7 logits at the LM head), while
+    from two rows on a row's output is the same whatever S is."""
     g = b.g
-    # seqlens_k = row sum of the mask - 1 (int32 [1]); total_sequence_length = mask width
     axes = g.const("axes_1", np.array([1], np.int64))
     mask_sum = g.op1("ReduceSum", [mf.ATTENTION_MASK, axes], keepdims=0)  # int64 [1]
-    one = g.const("one_i64", np.array(1, np.int64))
-    seqlens_k = g.op1("Cast", [g.op1("Sub", [mask_sum, one])], to=TensorProto.INT32)
-    width = g.op1("Shape", [mf.ATTENTION_MASK], start=1, end=2)
+    width = g.op1("Shape", [mf.ATTENTION_MASK], start=1, end=2)  # int64 [1]
+    ctx = {}
+    back = g.const("one_i64", np.array(1, np.int64))  # seqlens_k = mask_sum - back
+    if b.options.pad_lone_query:
+        s = g.op1("Shape", [mf.INPUT_IDS], start=1, end=2)  # [1]: S
+        extra = g.op1("Max", [g.op1("Sub", [g.const("two_1d", np.array([2], np.int64)), s]),
+                              g.const("zero_1d", np.array([0], np.int64))])  # [1]
+        back = g.op1("Sub", [back, extra])  # 1 - extra
+        width = g.op1("Add", [width, extra])
+        ctx["q_pads"] = g.op1("Concat", [g.const("zeros_4", np.zeros(4, np.int64)), extra,
+                                         g.const("zero_1d", np.array([0], np.int64))], axis=0)
+        ctx["seq"] = s
+    seqlens_k = g.op1("Cast", [g.op1("Sub", [mask_sum, back])], to=TensorProto.INT32)
     total = g.op1("Cast", [g.op1("Squeeze", [width])], to=TensorProto.INT32)
-    return {"seqlens_k": seqlens_k, "total": total}
+    return {"seqlens_k": seqlens_k, "total": total, **ctx}
 
 
 def _gqa_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) -> str:
     spec = b.spec
+    if "q_pads" in ctx:  # [B, S', qkv]: a lone token twice (see _gqa_preamble)
+        qkv = b.g.op1("Pad", [qkv, ctx["q_pads"]], mode="edge")
     inputs = [qkv, "", ""]  # packed q, k, v
     if spec.qk_norm:  # the per-head norms come before the rotary, which GQA applies itself
         q, k, v = _split_qkv(b, qkv)
@@ -79,6 +98,9 @@ def _gqa_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) -> st
         local_window_size=window if window else -1,
         **({"softcap": float(spec.attn_softcap)} if spec.attn_softcap else {}),
     )
+    if "q_pads" in ctx:  # [B, S, heads * hd]: the copy's row dropped
+        attn = b.g.op1("Slice", [attn, b.g.const("zero_1d", np.array([0], np.int64)),
+                                 ctx["seq"], b.g.const("axes_1", np.array([1], np.int64))])
     return attn
 
 

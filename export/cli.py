@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", choices=tuple(QUANTS), default=None,
                    help="int4: linear weights as onnxruntime MatMulNBits, 4 bits in blocks of 32 "
                         "(a Q4_1 GGUF's own blocks), LM head and tied embedding at 8 bits; exact "
-                        "speculative decoding (every call runs at least two rows); output "
+                        "speculative decoding (a step's attention runs two query rows); output "
                         "directory <name>-int4")
     p.add_argument("--lm-head", choices=LM_HEADS, default="int8",
                    help="with --quant: the LM head's precision (int8, the default, also stores a "

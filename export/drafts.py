@@ -165,7 +165,7 @@ def build_draft(directory: Path, checkpoint, target: mf.Manifest, options: Draft
         # what it computed); the batched flavour's are padded as its target's are, so that a
         # row drafts the same whatever shares its call, and a seeded request repeats its solo
         # run (export/api.py's min_call_rows)
-        min_call_rows=2 if attention == "window" else 1,
+        min_call_rows=2 if attention == "window" else 1, min_attention_rows=1, row_probe=None,
         extra={"exporter_revision": target.extra.get("exporter_revision"),
                "draft": options.record(spec.num_layers),
                "attention": target.extra.get("attention"), "opset": opset,

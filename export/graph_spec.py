@@ -167,6 +167,10 @@ class GraphOptions:
     opset: int = DEFAULT_OPSET["gqa"]
     attention: str = "gqa"  # "gqa" (ORT contrib ops, the CPU graph) or "standard" (ONNX ops)
     quant: WeightQuant | None = None  # None: float MatMul weights (the target)
+    # gqa: a one-token call's attention runs two query rows, the token and a copy of it (whose
+    # key/value slot is one past the call's and is dropped), so a step attends on the path a
+    # verify row takes (Manifest.min_attention_rows)
+    pad_lone_query: bool = False
 
 
 def check_opset(attention: str, opset: int) -> None:

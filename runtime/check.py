@@ -12,9 +12,9 @@ fail); `run_checks` runs them all and `format_table` prints them. The command it
    decoding from steps: if they disagree, the two decodes sample different distributions.
 2. row invariance: the step logits of max(12, max_verify_len + 1) positions against the rows of verify calls of several
    lengths (1, 2, 3, 4, 8 and max_verify_len, where they fit), each starting 0 or 1 tokens in
-   (`ortspec.runtime.row_invariance`). A graph that pads every call to two rows
-   (manifest.min_call_rows = 2, the int4 exports) must match bit for bit; a float graph
-   within the verify-vs-step bound of check 1 (its bitwise count is reported).
+   (`ortspec.runtime.row_invariance`). A graph that pads a lone row (manifest.min_call_rows or
+   min_attention_rows = 2: the int4 and window exports) must match bit for bit; a float GQA
+   graph within the verify-vs-step bound of check 1 (its bitwise count is reported).
 3. greedy identity: speculative decoding with prompt lookup and plain decoding, 48 new tokens
    on four built-in prompts, must give the same tokens.
 4. the sampler on the model's own distributions: p = the target's temperature-1 distribution
@@ -101,11 +101,11 @@ def check_row_invariance(model) -> CheckRow:
     lengths = sorted({n for n in (1, 2, 3, 4, 8, dec.max_verify_len)
                       if n <= min(dec.max_verify_len, positions - 1)})
     res = row_differences(dec, prompt, cont, block_lengths=lengths, offsets=(0, 1))
-    exact = model.manifest.min_call_rows > 1
+    exact = model.manifest.rows_exact
     figure = (f"{res.rows - res.differing}/{res.rows} rows bitwise equal, max |diff| "
               f"{res.max_abs:.2e}, {res.argmax_differing} argmax differ")
     if exact:
-        return CheckRow(f"row invariance (blocks {','.join(map(str, lengths))}, padded to 2 rows)",
+        return CheckRow(f"row invariance (blocks {','.join(map(str, lengths))}, lone rows padded)",
                         figure, "bitwise equal", res.differing == 0)
     bound = TOLERANCES[model.manifest.dtype].step_vs_verify.at(res.scale)
     return CheckRow(f"row invariance (blocks {','.join(map(str, lengths))})", figure,

@@ -135,9 +135,30 @@ class Manifest:
     # (graph_io.call_width): its MatMuls see B rows, and the window graph's attention multiplies
     # a token's whole group of query heads at once
     min_call_rows: int = 1
+    # the fewest query rows the graph's attention runs: 2 where the graph itself pads a
+    # one-token call's attention with a copy of the token (its MatMuls run the one row), since
+    # onnxruntime's CPU GroupQueryAttention computes a lone query on another path (the quantized
+    # GQA exports); that copy's key/value slot is one past the call's, so the usable capacity is
+    # one token less here too
+    min_attention_rows: int = 1
+    # with min_attention_rows 2: a small graph of the export's row-wise kernels (a file of the
+    # directory, listed in `files`) the runtime runs at load; where one of them computes a lone
+    # row otherwise than among several on this machine, every call runs two rows
+    # (runtime/row_invariance.lone_rows_exact)
+    row_probe: str | None = None
     # the most requests one call may carry: the window-attention graph takes B rows, each with
     # its own valid length; 1 for the rest
     max_batch: int = 1
+
+    @property
+    def reserved_slots(self) -> int:
+        """KV slots past the usable capacity that a padded call may write."""
+        return max(self.min_call_rows, self.min_attention_rows) - 1
+
+    @property
+    def rows_exact(self) -> bool:
+        """Whether a verify row must equal its step bit for bit (a graph that pads lone rows)."""
+        return self.reserved_slots > 0
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
@@ -296,6 +317,15 @@ def parse_manifest(data: Any) -> Manifest:
     if min_rows > max_verify_len or min_rows >= capacity:
         raise ManifestError(f"manifest.min_call_rows = {min_rows} needs max_verify_len >= "
                             f"{min_rows} and capacity > {min_rows}")
+    attention_rows = _int_in(data, "min_attention_rows", 1, MAX_MIN_CALL_ROWS, "manifest") \
+        if "min_attention_rows" in data else 1
+    if attention_rows > max_verify_len or attention_rows >= capacity:
+        raise ManifestError(f"manifest.min_attention_rows = {attention_rows} needs "
+                            f"max_verify_len >= {attention_rows} and capacity > {attention_rows}")
+    row_probe = data.get("row_probe")
+    if row_probe is not None and not (isinstance(row_probe, str) and row_probe in files):
+        raise ManifestError("manifest.row_probe: expected null or a file name listed in "
+                            "manifest.files")
     max_batch = _int_in(data, "max_batch", 1, MAX_BATCH, "manifest") if "max_batch" in data else 1
     return Manifest(
         source=source,
@@ -314,6 +344,8 @@ def parse_manifest(data: Any) -> Manifest:
         extra=extra,
         format_version=version,
         min_call_rows=min_rows,
+        min_attention_rows=attention_rows,
+        row_probe=row_probe,
         max_batch=max_batch,
     )
 

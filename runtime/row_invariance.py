@@ -6,16 +6,25 @@ even by a float32 ulp, an argmax can flip and the speculative output leaves the 
 
 What onnxruntime 1.32's CPU kernels do (measured op by op, `scripts/row_invariance_layers.py`):
 
-- MatMulNBits, at every accuracy level and for 4 and 8 bits, takes a separate path for one row
-  (M = 1) whose sums round differently; for M >= 2 each row's result is the same whatever M is
-  and wherever the row sits. At accuracy_level 4 (int8 activations) the one-row difference
-  reaches 0.6-0.8 logits on SmolLM2-135M, enough to change the argmax.
-- Float MatMul/Gemm and GroupQueryAttention behave alike at float32 rounding (3e-5 logits).
+- GroupQueryAttention computes a lone query row (S = 1) on another path than a row among
+  several: 3e-8 apart at layer 0 of SmolLM2-135M. From two rows on a row's output is the same
+  whatever S is and wherever the row sits.
+- MatMulNBits at accuracy level 4 (int8 activations, the int4 exports' level) computes a row
+  alike at every M, one row included. At lower levels (float activations) its one-row call
+  takes another path; from two rows on the rows agree.
+- Float MatMul/Gemm behave alike at float32 rounding (3e-5 logits).
+- In a quantized graph the next MatMulNBits rounds its activations to int8, so the attention's
+  3e-8 can move an activation by a whole int8 step: 0.5-0.7 logits at the LM head, enough to
+  change the argmax (genai's int4 n-gram mode, whose graph attends a lone query alone, kept its
+  own plain output on 2-3 of 12-15 prompts).
 
-So a graph whose calls never run a single row is row-invariant: `Manifest.min_call_rows = 2`
-makes the decoder pad a one-token call with a copy of the token and drop the extra row (its KV
-slot lies past the valid length and the next call overwrites it). `row_differences` measures
-the property on a live decoder; `ortspec check` reports it, and an int4 export must show zero.
+So a quantized GQA graph pads a one-token call's attention to two query rows itself
+(`Manifest.min_attention_rows = 2`: the token's q, k, v twice, the copy's output dropped and its
+KV slot, one past the call's, overwritten by the next call), while its MatMuls run the one row.
+The window graph, whose attention and block sums are float MatMuls, has every call run two rows
+(`Manifest.min_call_rows = 2`: the decoder pads a one-token call with a copy of the token).
+`row_differences` measures the property on a live decoder; `ortspec check` reports it, and a
+graph that pads must show zero.
 """
 
 from __future__ import annotations
@@ -24,8 +33,11 @@ import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
+import onnxruntime as ort
 
 from .protocols import Decoder
+
+PROBE_ROWS = 5  # the probe's rows, each also run alone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,3 +82,18 @@ def row_differences(decoder: Decoder, prompt: Sequence[int], continuation: Seque
     return RowDifferences(rows=rows, differing=differing, argmax_differing=argmax_differing,
                           max_abs=worst, scale=float(np.abs(steps).max()),
                           block_lengths=tuple(block_lengths))
+
+
+def lone_rows_exact(probe: ort.InferenceSession) -> bool:
+    """Whether every kernel of an export's row probe (export/row_probe.py: inputs `x<K>`
+    [M, K], one output per kernel) computes each of PROBE_ROWS random rows alone bit for bit
+    as it computes it among them, in this session (its machine, threads and providers)."""
+    rng = np.random.default_rng(0)
+    xs = {i.name: rng.standard_normal((PROBE_ROWS, i.shape[1])).astype(np.float32)
+          for i in probe.get_inputs()}
+    together = probe.run(None, xs)
+    for r in range(PROBE_ROWS):
+        alone = probe.run(None, {name: x[r:r + 1] for name, x in xs.items()})
+        if any(not np.array_equal(a[0], t[r]) for a, t in zip(alone, together, strict=True)):
+            return False
+    return True

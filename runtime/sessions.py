@@ -10,6 +10,7 @@ decoders (`OrtDecoder.on(sessions)`), concurrently.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from onnxruntime.capi import onnxruntime_pybind11_state as _ort_errors
 from . import manifest as mf
 from .errors import InvalidOptionError, ManifestError
 from .providers import TENSORRT, default_kv_mode, kv_device, resolve_providers
+from .row_invariance import lone_rows_exact
 from .validation import check_int
 
 PREFILL_CHUNK = 128  # tokens per prefill call where the graph's sequence axis is dynamic
@@ -76,12 +78,15 @@ class OrtSessions:
         if kv_mode is not None and kv_mode not in KV_MODES:
             raise InvalidOptionError(f"kv_mode must be one of {', '.join(KV_MODES)}, got {kv_mode!r}")
         self.vocab_size: int = m.architecture.vocab_size
-        # every call runs at least this many rows (Manifest.min_call_rows); the padding row
-        # takes a KV slot during the call, so one token fewer fits
+        # every call runs at least this many rows (Manifest.min_call_rows); a padding row
+        # (the runtime's, or the graph's own in its attention: min_attention_rows) takes a KV
+        # slot during the call, so one token fewer fits
         self.min_call_rows: int = m.min_call_rows
-        self.capacity: int = m.capacity - (m.min_call_rows - 1)
+        self.capacity: int = m.capacity - m.reserved_slots
         self.max_verify_len: int = m.entry_points["verify"].max_len
         self.provider_config = resolve_providers(providers, manifest=m, model_dir=self.model_dir)
+        if m.min_call_rows < m.min_attention_rows and not self._lone_rows_exact(threads):
+            self.min_call_rows = m.min_attention_rows  # this machine's kernels: pad calls
         self.kv_mode: str = kv_mode or default_kv_mode(self.provider_config)
         self.by_entry = self._open(threads, session_options, allow_spinning)
         first = self.by_entry["step"]
@@ -158,8 +163,26 @@ class OrtSessions:
             by_entry[name] = by_graph[graph]
         return by_entry
 
+    def _lone_rows_exact(self, threads: int | None) -> bool:
+        """Whether the export's row probe finds its kernels computing a lone row as among
+        several here (False without a probe: then every call runs two rows)."""
+        probe = self.manifest.row_probe
+        if probe is None:
+            return False
+        path = mf.safe_member(self.model_dir, probe, what="manifest.row_probe")
+        names = tuple(name for name, _ in self.provider_config)
+        return _probe_verdict(str(path), threads, names)
+
     def __repr__(self) -> str:
         return f"OrtSessions({str(self.model_dir)!r}, providers={self.providers})"
+
+
+@functools.lru_cache(maxsize=32)
+def _probe_verdict(path: str, threads: int | None, providers: tuple[str, ...]) -> bool:
+    """row_invariance.lone_rows_exact on the probe at `path`, once a process per settings."""
+    probe = _session(path, session_options(threads=threads, allow_spinning=False),
+                     list(providers))
+    return lone_rows_exact(probe)
 
 
 _global_pools_seen = False  # set once a session creation showed the process has global pools

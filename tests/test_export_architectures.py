@@ -241,7 +241,7 @@ def test_family_int4_export_is_exact_under_speculation(name, sources, tmp_path):
                        progress=False, quant="int4")
     m = mf.read_manifest(out)
     v = m.extra["validation"]
-    assert m.min_call_rows == 2 and v["step_vs_verify"] == 0.0
+    assert (m.min_call_rows, m.min_attention_rows) == (1, 2) and v["step_vs_verify"] == 0.0
     assert v["verify_vs_pytorch"] <= v["bound_vs_pytorch"]
     rows = row_differences(OrtDecoder(out), _prompt()[:20], _prompt()[20:20 + VERIFY + 1],
                            block_lengths=range(1, VERIFY + 1), offsets=(0, 1))

@@ -1,8 +1,8 @@
 """int4 targets (`export_model(quant="int4")`, `ortspec export --quant int4`): MatMulNBits rows
 against onnxruntime itself, the export's manifest and validation, every verify row equal to its
 step bit for bit (runtime/row_invariance.py), greedy identity and the sampler checks of
-`ortspec check`, the capacity the padding row costs, the head and scheme choices, and refusal
-of bad options before anything is read."""
+`ortspec check`, the capacity the attention's padding row costs, the head and scheme choices,
+and refusal of bad options before anything is read."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from ortspec.runtime.check import run_checks
 from ortspec.runtime.drafters.prompt_lookup import PromptLookupSpeculator
 from ortspec.runtime.errors import CapacityError
 from ortspec.runtime.ort_decoder import OrtDecoder
-from ortspec.runtime.row_invariance import row_differences
+from ortspec.runtime.row_invariance import lone_rows_exact, row_differences
 
 CAP, VERIFY = 64, 6
 
@@ -70,11 +70,12 @@ def _matmul_nbits_session(k: int, n: int, bits: int, accuracy_level: int, rng):
                                 providers=["CPUExecutionProvider"])
 
 
-@pytest.mark.parametrize("bits,accuracy_level", [(4, 4), (4, 1), (8, 4)])
-def test_matmul_nbits_rows_do_not_depend_on_the_row_count_from_two_rows_on(bits,
-                                                                          accuracy_level):
-    """What min_call_rows = 2 rests on: every row of an M-row MatMulNBits call (2 <= M <= 17,
-    any position) is bitwise the row computed in a 2-row call."""
+@pytest.mark.parametrize("bits,accuracy_level", [(4, 4), (8, 4), (4, 1)])
+def test_matmul_nbits_rows_do_not_depend_on_the_row_count(bits, accuracy_level):
+    """What padding a call to two rows rests on: every row of an M-row MatMulNBits call
+    (2 <= M <= 17, any position) is bitwise the row computed in a 2-row call. At level 1 (float
+    activations) a one-row call takes another path; at level 4 (the exports' level) whether it
+    does depends on the CPU's kernels, which is why an export carries a row probe."""
     rng = np.random.default_rng(0)
     session = _matmul_nbits_session(576, 384, bits, accuracy_level, rng)
     x = rng.standard_normal((17, 576)).astype(np.float32)
@@ -83,11 +84,15 @@ def test_matmul_nbits_rows_do_not_depend_on_the_row_count_from_two_rows_on(bits,
         y = session.run(None, {"A": x[:m]})[0]
         for i in range(m):
             np.testing.assert_array_equal(y[i], alone[i], err_msg=f"M={m}, row {i}")
+    one_row = [session.run(None, {"A": v[None]})[0][0] for v in x]
+    same = [np.array_equal(a, b) for a, b in zip(one_row, alone)]
+    if accuracy_level == 1:
+        assert not any(same)
 
 
 def test_int4_export_records_its_weights_and_validates_rows_exactly(int4_dir):
     m = mf.read_manifest(int4_dir)
-    assert m.min_call_rows == 2 and m.dtype == "fp32"
+    assert (m.min_call_rows, m.min_attention_rows, m.dtype) == (1, 2, "fp32")
     w = m.extra["weights"]
     assert (w["format"], w["bits"], w["block_size"], w["scheme"], w["lm_head_bits"]) == \
         ("MatMulNBits", 4, 32, "block-min", 8)
@@ -112,26 +117,77 @@ def _op_count(directory, op_type: str) -> int:
     return sum(n.op_type == op_type for n in graph.node)
 
 
-def _with_min_rows(src, dst, rows: int):
-    shutil.copytree(src, dst)
-    data = json.loads((dst / mf.MANIFEST_FILE).read_text())
-    data["min_call_rows"] = rows
-    (dst / mf.MANIFEST_FILE).write_text(json.dumps(data))
-    return dst
-
-
-def test_every_verify_row_equals_its_step_bitwise_and_one_row_calls_would_not(int4_dir,
-                                                                              tmp_path):
+def test_every_verify_row_equals_its_step_bitwise_and_unpadded_attention_would_not(
+        int4_dir, sources, tmp_path, monkeypatch):
     prompt, cont = _ids(20, 0), _ids(VERIFY + 2, 1)
     lengths = list(range(1, VERIFY + 1))
     res = row_differences(OrtDecoder(int4_dir), prompt, cont, block_lengths=lengths,
                           offsets=(0, 1, 2))
     assert res.rows == 3 * sum(lengths) and res.differing == 0 and res.max_abs == 0.0
-    # the same graph with one-row steps: the rows no longer equal the steps, so the test above
-    # would catch a decoder that stopped padding
-    unpadded = _with_min_rows(int4_dir, tmp_path / "unpadded", 1)
-    res = row_differences(OrtDecoder(unpadded), prompt, cont, block_lengths=lengths)
-    assert res.differing > 0
+    # the same export with a lone query attended alone: its steps no longer equal its verify
+    # rows, which the export's own validation refuses, so the test above would catch a graph
+    # that stopped padding
+    from ortspec.export import api
+    from ortspec.runtime.errors import ExportError
+
+    monkeypatch.setattr(api, "min_attention_rows", lambda **kw: 1)
+    with pytest.raises(ExportError, match="verify and step logits differ"):
+        export_model(sources[int4_dir.name.split("-")[0]], out=tmp_path / "unpadded",
+                     capacity=CAP, max_verify_len=VERIFY, progress=False, quant="int4")
+    assert not (tmp_path / "unpadded").exists()
+
+
+def _probe_session(path):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def _with_probe_level(src, dst, level: int):
+    """A copy of the export whose row probe runs its MatMulNBits at accuracy `level`."""
+    shutil.copytree(src, dst)
+    probe = onnx.load(str(dst / "row_probe.onnx"))
+    for node in probe.graph.node:
+        for a in node.attribute:
+            if a.name == "accuracy_level":
+                a.i = level
+    onnx.save(probe, str(dst / "row_probe.onnx"))
+    data = json.loads((dst / mf.MANIFEST_FILE).read_text())
+    data["files"]["row_probe.onnx"] = mf.sha256_file(dst / "row_probe.onnx")
+    (dst / mf.MANIFEST_FILE).write_text(json.dumps(data))
+    return dst
+
+
+def test_the_row_probe_decides_whether_calls_run_two_rows(int4_dir, tmp_path):
+    """The export's row probe holds its graph's kernels (the 4-bit layers, the 8-bit head, the
+    block-min offsets' float products); the decoder runs one-row calls where the probe finds
+    them exact on this machine, and pads every call to two rows where it does not (here: the
+    probe at accuracy level 1, whose one-row path differs everywhere). Both keep every verify
+    row bitwise its step."""
+    m = mf.read_manifest(int4_dir)
+    assert m.row_probe == "row_probe.onnx" and m.row_probe in m.files
+    probe = onnx.load(str(int4_dir / m.row_probe)).graph
+    kinds = {(n.op_type, dict((a.name, a.i) for a in n.attribute).get("bits")) for n in probe.node}
+    assert kinds == {("MatMulNBits", 4), ("MatMulNBits", 8), ("MatMul", None), ("Gemm", None)}
+    exact = lone_rows_exact(_probe_session(int4_dir / m.row_probe))
+    assert OrtDecoder(int4_dir).min_call_rows == (1 if exact else 2)
+
+    level1 = _with_probe_level(int4_dir, tmp_path / "level1", 1)
+    assert not lone_rows_exact(_probe_session(level1 / "row_probe.onnx"))
+    dec = OrtDecoder(level1)
+    assert dec.min_call_rows == 2 and dec.capacity == CAP - 1
+    prompt, cont = _ids(20, 6), _ids(VERIFY + 1, 7)
+    res = row_differences(dec, prompt, cont, block_lengths=list(range(1, VERIFY + 1)))
+    assert res.differing == 0
+
+
+def test_a_manifest_row_probe_must_be_a_listed_file(int4_dir):
+    data = json.loads((int4_dir / mf.MANIFEST_FILE).read_text())
+    data["row_probe"] = "missing.onnx"
+    with pytest.raises(mf.ManifestError, match="row_probe"):
+        mf.parse_manifest(data)
 
 
 def test_padding_holds_with_ping_pong_kv_buffers_too(int4_dir):
@@ -180,15 +236,16 @@ def test_on_a_padded_export_one_ulp_off_fails_the_row_invariance_check(int4_dir,
     assert row.bound == "bitwise equal" and not row.passed
 
 
+@pytest.mark.parametrize("field", ["min_call_rows", "min_attention_rows"])
 @pytest.mark.parametrize("value", [0, 3, "2", 1.5, True])
-def test_a_bad_min_call_rows_is_refused_naming_the_field(int4_dir, value):
+def test_a_bad_row_minimum_is_refused_naming_the_field(int4_dir, field, value):
     data = json.loads((int4_dir / mf.MANIFEST_FILE).read_text())
-    data["min_call_rows"] = value
-    with pytest.raises(mf.ManifestError, match="min_call_rows"):
+    data[field] = value
+    with pytest.raises(mf.ManifestError, match=field):
         mf.parse_manifest(data)
 
 
-def test_the_padding_row_costs_one_token_of_capacity(int4_dir):
+def test_the_attention_padding_row_costs_one_token_of_capacity(int4_dir):
     dec = OrtDecoder(int4_dir)
     assert dec.capacity == CAP - 1
     dec.prefill(_ids(CAP - 2, 3))
@@ -239,7 +296,7 @@ def test_cli_exports_an_int4_target(sources, tmp_path, capsys):
                             "--capacity", str(CAP), "--max-verify-len", str(VERIFY),
                             "--quiet"]) == 0
     assert capsys.readouterr().out.strip() == str(out.absolute())
-    assert mf.read_manifest(out).min_call_rows == 2
+    assert mf.read_manifest(out).min_attention_rows == 2
     assert export_cli.main([str(sources["llama"]), "--out", str(tmp_path / "x"),
                             "--lm-head", "int4", "--quiet"]) == 2
     assert "without quant" in capsys.readouterr().err
