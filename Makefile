@@ -20,10 +20,12 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# Gets and exports the default model on first use (cached under models/), then decodes one
-# input-grounded prompt plainly and speculatively.
+# Gets and exports the default model on first use (cached under models/), at int4, its native
+# precision, then decodes one input-grounded prompt plainly and speculatively.
+# `make demo DEMO_ARGS=--precision=fp32` runs the fp32 export instead.
+DEMO_ARGS ?=
 demo: $(STAMP)
-	$(BIN)/python scripts/demo.py
+	$(BIN)/python scripts/demo.py $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra
