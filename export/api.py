@@ -82,7 +82,7 @@ ATTENTION_OPS = {"gqa": "GroupQueryAttention", "standard": "Attention", "window"
 MAX_BATCH = {"gqa": 1, "standard": 1, "window": 16}
 
 
-def min_call_rows(*, quant: str | None, attention: str) -> int:
+def min_call_rows(*, attention: str) -> int:
     """Manifest.min_call_rows of an export: 2 for the window flavour, whose one-row calls
     round differently from their rows among several (its float MatMuls); else 1."""
     return 2 if attention == "window" else 1
@@ -132,7 +132,7 @@ def check_options(*, capacity: int, max_verify_len: int, dtype: str, opset: int,
                                     f"com.microsoft op) with float32 activations: it needs "
                                     f"attention 'gqa' or 'window' and dtype='fp32', got "
                                     f"{attention!r} and {dtype!r}")
-    rows = max(min_call_rows(quant=quant, attention=attention),
+    rows = max(min_call_rows(attention=attention),
                min_attention_rows(quant=quant, attention=attention))
     if max_verify_len < rows:
         raise ExportOptionError(f"max_verify_len must be at least {rows} with quant={quant!r} "
@@ -215,9 +215,9 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
     blocks of 32, a GGUF's Q4_1 blocks exactly; the LM head and a tied embedding at 8 bits);
     its graph pads a one-token call's attention to two query rows so that speculative decoding
     stays token-for-token exact (`min_attention_rows`); the default directory name ends in
-    -int4. A draft exported with it is quantized too. With quant, lm_head ("int8", "int4" or "fp32") is the LM head's precision
-    (int8 also stores a tied embedding) and quant_scheme ("block-min", "zero-point",
-    "symmetric"; quantize.py) the linear weights' 4-bit scheme.
+    -int4. A draft exported with it is quantized too. With quant, lm_head ("int8", "int4" or
+    "fp32") is the LM head's precision (int8 also stores a tied embedding) and quant_scheme
+    ("block-min", "zero-point", "symmetric"; quantize.py) the linear weights' 4-bit scheme.
 
     draft_quant ("int4") and/or draft_layers (N, 1 <= N <= the model's layers): also export a
     self-speculative draft of the same checkpoint into `out/drafts/<name>/` and list it in the
@@ -316,9 +316,9 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
     stage("build")
     cos, sin = ckpt.rope_tables(capacity)
     layers = ckpt.spec.num_layers
+    attention_rows = min_attention_rows(quant=quant, attention=attention)
     options = GraphOptions(capacity=capacity, dtype=dtype, opset=opset, attention=attention,
-                           quant=quant,
-                           pad_lone_query=min_attention_rows(quant=quant, attention=attention) > 1)
+                           quant=quant, pad_lone_query=attention_rows > 1)
     files = build_decoder(ckpt.spec, options,
                           ckpt.weight, cos, sin, graph_path=tmp / GRAPH_FILE,
                           data_path=tmp / DATA_FILE,
@@ -355,8 +355,8 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
                "tied_embeddings": ckpt.spec.tied_embeddings,
                "weight_bytes": files.weight_bytes,
                **_weight_format(options, files)},
-        min_call_rows=min_call_rows(quant=quant, attention=attention),
-        min_attention_rows=min_attention_rows(quant=quant, attention=attention),
+        min_call_rows=min_call_rows(attention=attention),
+        min_attention_rows=attention_rows,
         row_probe=probe,
         max_batch=MAX_BATCH[attention],
     )

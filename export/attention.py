@@ -61,8 +61,7 @@ def _gqa_preamble(b: GraphBuilder) -> dict[str, str]:
     back = g.const("one_i64", np.array(1, np.int64))  # seqlens_k = mask_sum - back
     if b.options.pad_lone_query:
         s = g.op1("Shape", [mf.INPUT_IDS], start=1, end=2)  # [1]: S
-        extra = g.op1("Max", [g.op1("Sub", [g.const("two_1d", np.array([2], np.int64)), s]),
-                              g.const("zero_1d", np.array([0], np.int64))])  # [1]
+        extra = _lone_query_extra(b, s)
         back = g.op1("Sub", [back, extra])  # 1 - extra
         width = g.op1("Add", [width, extra])
         ctx["q_pads"] = g.op1("Concat", [g.const("zeros_4", np.zeros(4, np.int64)), extra,
@@ -71,6 +70,13 @@ def _gqa_preamble(b: GraphBuilder) -> dict[str, str]:
     seqlens_k = g.op1("Cast", [g.op1("Sub", [mask_sum, back])], to=TensorProto.INT32)
     total = g.op1("Cast", [g.op1("Squeeze", [width])], to=TensorProto.INT32)
     return {"seqlens_k": seqlens_k, "total": total, **ctx}
+
+
+def _lone_query_extra(b: GraphBuilder, s: str) -> str:
+    """[1] int64: the query rows a call of S tokens (`s`, [1]) is padded by, 1 if S = 1 else 0."""
+    g = b.g
+    return g.op1("Max", [g.op1("Sub", [g.const("two_1d", np.array([2], np.int64)), s]),
+                         g.const("zero_1d", np.array([0], np.int64))])
 
 
 def _gqa_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) -> str:
@@ -146,8 +152,7 @@ def _row_preamble(b: GraphBuilder, slots: str, *, pad_lone_query: bool = False
     queries = positions
     if pad_lone_query:
         zero_1d = g.const("zero_1d", np.array([0], np.int64))
-        extra = g.op1("Max", [g.op1("Sub", [g.const("two_1d", np.array([2], np.int64)), s]),
-                              zero_1d])  # [1]: 1 if S = 1, else 0
+        extra = _lone_query_extra(b, s)
         queries = g.op1("Pad", [positions, g.op1("Concat", [
             g.const("zeros_3", np.zeros(3, np.int64)), extra], axis=0)], mode="edge")  # [B, S']
         ctx["q_pads"] = g.op1("Concat", [g.const("zeros_6", np.zeros(6, np.int64)), extra,

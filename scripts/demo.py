@@ -1,7 +1,8 @@
 """The demo: export the default model (once; cached), then decode one input-grounded prompt
 plainly and speculatively on the same loaded model and compare.
 
-    python scripts/demo.py [--model DIR | --precision int4|fp32] [--max-new-tokens 160] [--temperature 0]
+    python scripts/demo.py [--model DIR | --precision int4|fp32] [--max-new-tokens 160]
+                           [--temperature 0]
 
 On the CPU the default model runs at int4, its native precision (the GGUF's Q4_1 blocks
 exactly, `ortspec export --quant int4`): lossless under speculation, and a step takes about
