@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from onnx import TensorProto, numpy_helper
 
-from ortspec.runtime import manifest as mf
+from ortspec.runtime.ort import manifest as mf
 
 from .builder import GraphBuilder
 from .graph_spec import MS, NUMPY_DTYPES

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 from onnx import TensorProto
 
-from ortspec.runtime import manifest as mf
+from ortspec.runtime.ort import manifest as mf
 
 from .graph_spec import MS, NUMPY_DTYPES, DecoderSpec, GraphOptions
 from .onnx_writer import ExternalDataWriter, NodeList, alias

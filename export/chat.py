@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ortspec.runtime.manifest import ChatFormat
+from ortspec.runtime.ort.manifest import ChatFormat
 
 _SYS, _USER, _ASSISTANT, _USER2 = "SYSq7XsentinelA", "USRq7XsentinelB", "ASTq7XsentinelC", \
     "USRq7XsentinelD"

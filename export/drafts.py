@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ortspec.runtime import manifest as mf
+from ortspec.runtime.ort import manifest as mf
 from ortspec.runtime.errors import ExportError
 from ortspec.runtime.validation import check_int
 

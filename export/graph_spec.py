@@ -12,7 +12,7 @@ import dataclasses
 
 import numpy as np
 
-from ortspec.runtime import manifest as mf
+from ortspec.runtime.ort import manifest as mf
 
 MS = "com.microsoft"  # the domain of onnxruntime's contrib ops
 ATTENTIONS = ("gqa", "standard", "window")

@@ -40,7 +40,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ortspec.runtime import manifest as mf
+from ortspec.runtime.ort import manifest as mf
 
 from .attention import FLAVOURS, pack_tokens, to_grid
 from .builder import GetWeight, GraphBuilder

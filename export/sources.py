@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ortspec.runtime.errors import ExportError
-from ortspec.runtime.manifest import sha256_file
+from ortspec.runtime.ort.manifest import sha256_file
 from ortspec.runtime.paths import MODELS_DIR_ENV, models_dir  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@
 Two comparisons on a fixed prompt, both as max |difference| over every position and token:
 verify vs step (the verify entry point in blocks of max_verify_len against the step entry point
 token by token) and verify vs PyTorch (the same logits against one forward pass of the
-checkpoint in float32). The bounds, and the reasons for them, are `ortspec.runtime.tolerances`
+checkpoint in float32). The bounds, and the reasons for them, are `ortspec.runtime.check.tolerances`
 (`TOLERANCES`, re-exported here): `ortspec check` applies the same verify-vs-step bound.
 """
 
@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ortspec.runtime import manifest as mf
+from ortspec.runtime.ort import manifest as mf
 from ortspec.runtime.errors import ExportError
-from ortspec.runtime.ort_decoder import OrtDecoder
-from ortspec.runtime.tolerances import (  # noqa: F401 - Bound re-exported
+from ortspec.runtime.ort.decoder import OrtDecoder
+from ortspec.runtime.check.tolerances import (  # noqa: F401 - Bound re-exported
     TOLERANCES, Bound, Tolerances, comparison_length)
 
 if TYPE_CHECKING:  # torch is imported only when an export really runs

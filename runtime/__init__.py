@@ -2,14 +2,9 @@
 
 from importlib.metadata import PackageNotFoundError, version as _version
 
-from .counters import DecodeCounters
-from .decode import (
-    SpeculativeDecodeResult,
-    SpeculativeOptions,
-    plain_decode,
-    speculative_decode,
-    speculative_decode_with,
-)
+from .decoding.counters import DecodeCounters
+from .decoding.loop import plain_decode, speculative_decode, speculative_decode_with
+from .decoding.options import SpeculativeDecodeResult, SpeculativeOptions
 from .drafters.draft_model import DraftModelDrafter
 from .drafters.prompt_lookup import PromptLookupSpeculator
 from .errors import (
@@ -28,13 +23,13 @@ from .errors import (
 )
 from .load import load_model
 from .model import DrafterSpec, Model
-from .ort_decoder import OrtDecoder
+from .ort.decoder import OrtDecoder
 from .paths import default_model_path, models_dir
-from .protocols import Decoder, DecoderBase, DraftLengthPolicy, Drafter, DrafterBase
-from .providers import resolve_providers
-from .reference_decoder import ReferenceConfig, ReferenceDecoder
-from .sessions import OrtSessions
-from .sampling import DraftBlock, DraftDist, accept_or_resample, sample_from, verify_block, warp
+from .decoding.protocols import Decoder, DecoderBase, DraftLengthPolicy, Drafter, DrafterBase
+from .ort.providers import resolve_providers
+from .check.reference import ReferenceConfig, ReferenceDecoder
+from .ort.sessions import OrtSessions
+from .decoding.sampling import DraftBlock, DraftDist, accept_or_resample, sample_from, verify_block, warp
 
 try:
     __version__ = _version("ortspec")

@@ -13,11 +13,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from . import manifest as mf
+from .ort import manifest as mf
 from .errors import InvalidOptionError
 from .model import DEFAULT_MAX_CONCURRENT, Model
-from .prefix_cache import DEFAULT_PREFIX_CACHE_MIB, prefix_cache_bytes
-from .sessions import OrtSessions
+from .batching.prefix_cache import DEFAULT_PREFIX_CACHE_MIB, prefix_cache_bytes
+from .ort.sessions import OrtSessions
 from .slots import WhenBusy
 
 
@@ -41,13 +41,13 @@ def load_model(
     first need: `Model.slot_bytes` each, about 114 MiB for the default model in fp32 at
     capacity 2048). A request beyond that waits for a slot (`when_busy="wait"`, for at most
     `busy_timeout` seconds if given) or fails at once with ModelBusyError (`"error"`).
-    `batch`: decode concurrent requests in shared calls (`ortspec.runtime.batching`); None
+    `batch`: decode concurrent requests in shared calls (`ortspec.runtime.batching.runner`); None
     (default) does when the graph takes several rows (manifest `max_batch` > 1: an export with
     `--attention window`) and `max_concurrent` > 1. The rows are then at most `max_batch`.
     `prefix_cache_mib`: a batching model keeps the keys and values of recent prompts, up to
     this many MiB (and as many again for a batched draft), and copies them into a new request
     that starts with the same tokens (a shared system prompt, a conversation's earlier turns)
-    instead of computing them (`ortspec.runtime.prefix_cache`); 0 turns it off.
+    instead of computing them (`ortspec.runtime.batching.prefix_cache`); 0 turns it off.
     """
     from tokenizers import Tokenizer
 

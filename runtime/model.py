@@ -21,22 +21,17 @@ import threading
 from pathlib import Path
 from typing import Any, Generator, Iterator, Sequence
 
-from . import manifest as mf
-from .counters import DecodeCounters
-from .batch_backend import OrtBatchBackend
-from .batch_rows import BatchRow
-from .batching import BatchRunner
-from .prefix_cache import DEFAULT_PREFIX_CACHE_MIB, MIB
-from .calibration import CalibrationKey, CostSurface, calibrated_cost_curve, \
+from .ort import manifest as mf
+from .decoding.counters import DecodeCounters
+from .batching.backend import OrtBatchBackend
+from .batching.rows import BatchRow
+from .batching.runner import BatchRunner
+from .batching.prefix_cache import DEFAULT_PREFIX_CACHE_MIB, MIB
+from .draft_length.calibration import CalibrationKey, CostSurface, calibrated_cost_curve, \
     calibrated_cost_surface, step_cost_ratio
-from .decode import (
-    DecodeStream,
-    SpeculativeDecodeResult,
-    SpeculativeOptions,
-    plain_decode_steps,
-    speculative_decode_steps,
-)
-from .draft_length import AdaptiveDraftLength, BatchCosts
+from .decoding.loop import DecodeStream, plain_decode_steps, speculative_decode_steps
+from .decoding.options import SpeculativeDecodeResult, SpeculativeOptions
+from .draft_length.policy import AdaptiveDraftLength, BatchCosts
 from .drafters import DRAFTER_NAMES, NEEDS_DRAFT_MODEL
 from .drafters.composite import CostAwareDrafter
 from .drafters.draft_model import DEFAULT_DRAFT_CONTEXT, DraftModelDrafter, check_draft_context
@@ -44,9 +39,9 @@ from .drafters.prompt_lookup import PromptLookupSpeculator, check_lookup_sizes
 from .drafters.ngram_counts import NgramCountsDrafter
 from .drafters.target_cache import TargetCacheDrafter
 from .errors import InvalidOptionError, InvalidPromptError
-from .ort_decoder import OrtDecoder, kv_compatible
-from .protocols import DraftLengthPolicy, Drafter
-from .sessions import OrtSessions
+from .ort.decoder import OrtDecoder, kv_compatible
+from .decoding.protocols import DraftLengthPolicy, Drafter
+from .ort.sessions import OrtSessions
 from .slots import DecodeSlot, SlotPool, WhenBusy
 
 DEFAULT_MAX_CONCURRENT = 4  # decode slots a model makes at most unless told otherwise

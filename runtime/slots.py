@@ -21,9 +21,9 @@ import threading
 import time
 from typing import Callable, Iterator, Literal
 
-from .batch_rows import BatchRow
+from .batching.rows import BatchRow
 from .errors import InvalidOptionError, ModelBusyError
-from .ort_decoder import OrtDecoder
+from .ort.decoder import OrtDecoder
 from .validation import check_int
 
 WhenBusy = Literal["wait", "error"]

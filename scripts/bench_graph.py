@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ortspec.runtime import manifest as mf
-from ortspec.runtime.ort_decoder import OrtDecoder
+from ortspec.runtime.ort import manifest as mf
+from ortspec.runtime.ort.decoder import OrtDecoder
 
 REPO = Path(__file__).resolve().parents[1]
 GENAI_DEFAULT = REPO / "models" / "cache" / "genai-smollm2-fp32"

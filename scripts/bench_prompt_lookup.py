@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from ortspec.runtime import PromptLookupSpeculator
-from ortspec.runtime.history import TokenHistory
+from ortspec.runtime.decoding.history import TokenHistory
 
 
 def synthetic_history(n: int, vocab: int = 49152, seed: int = 0) -> list[int]:

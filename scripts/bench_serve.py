@@ -84,7 +84,7 @@ def load_prompts(kind: str, *, per_category: int,
     the Spec-Bench dev split kept, all when None)."""
     if kind == "chat":
         return list(CHAT_PROMPTS)
-    from ortspec.bench.workload import interleave_categories, load_questions
+    from ortspec.runtime.bench.workload import interleave_categories, load_questions
 
     return [q.text for q in interleave_categories(load_questions(
         split="dev", per_category=per_category, categories=categories))]
@@ -259,7 +259,7 @@ def _start_server(model_dir: Path, max_concurrent: int, drafter: str,
                   prefix_cache_mib: float | None) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     extra = [] if prefix_cache_mib is None else ["--prefix-cache-mib", str(prefix_cache_mib)]
-    proc = subprocess.Popen([sys.executable, "-m", "ortspec.runtime.cli", "serve", "--model",
+    proc = subprocess.Popen([sys.executable, "-m", "ortspec.runtime.cli.main", "serve", "--model",
                              str(model_dir), "--port", str(port), "--max-concurrent",
                              str(max_concurrent), "--drafter", drafter, "--log-level", "warning",
                              *extra])
@@ -314,7 +314,7 @@ def _checkout() -> dict:
 
 
 def _machine() -> dict:
-    from ortspec.runtime.machine import cpu_model
+    from ortspec.runtime.ort.machine import cpu_model
 
     return {"cpu": cpu_model(), "logical_cpus": os.cpu_count(), "platform": platform.platform()}
 
@@ -322,7 +322,7 @@ def _machine() -> dict:
 def main(argv: list[str] | None = None) -> int:
     import httpx
 
-    from ortspec.runtime.cli_args import model_arg
+    from ortspec.runtime.cli.args import model_arg
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="model directory (default: the exported default model)")

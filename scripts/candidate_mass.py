@@ -25,12 +25,12 @@ import collections
 
 import numpy as np
 
-from ortspec.bench.workload import load_questions
+from ortspec.runtime.bench.workload import load_questions
 from ortspec.runtime import load_model
-from ortspec.runtime.cli_args import model_arg
+from ortspec.runtime.cli.args import model_arg
 from ortspec.runtime.drafters.continuations import ContinuationIndex
 from ortspec.runtime.drafters.target_cache import sparse_target
-from ortspec.runtime.sampling import sample_from, warp
+from ortspec.runtime.decoding.sampling import sample_from, warp
 
 TOP = (1, 2, 4, 8)
 LOOKUP = (1, 2, 3, 4)

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ortspec.bench.workload import default_questions_path, interleave_categories, load_questions
+from ortspec.runtime.bench.workload import default_questions_path, interleave_categories, load_questions
 from ortspec.runtime import PromptLookupSpeculator, SpeculativeOptions
 from ortspec.runtime.paths import default_model_path
 from ortspec.runtime.load import load_model

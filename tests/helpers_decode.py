@@ -7,7 +7,7 @@ import numpy as np
 
 from ortspec.runtime import ReferenceConfig, SpeculativeOptions, plain_decode, \
     speculative_decode_with, warp
-from ortspec.runtime.draft_length import AdaptiveDraftLength, CostCurve
+from ortspec.runtime.draft_length.policy import AdaptiveDraftLength, CostCurve
 
 
 def exact_marginals(decoder, prompt, n, *, temperature, top_k=None, top_p=None):

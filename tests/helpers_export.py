@@ -110,7 +110,7 @@ def write_graph_dir(directory: Path, *, poison: bool = False, capacity: int = 32
 
     from ortspec.export.graph_spec import DecoderSpec, GraphOptions
     from ortspec.export.graphs import build_decoder
-    from ortspec.runtime import manifest as mf
+    from ortspec.runtime.ort import manifest as mf
 
     spec = DecoderSpec(family="llama", num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
                        hidden_size=32, intermediate_size=32, vocab_size=VOCAB, rms_norm_eps=1e-5,

@@ -30,7 +30,7 @@ class Server:
         self.stop_s = stop_s
         self.log = open(Path(os.environ.get("ORTSPEC_CACHE_DIR", "/tmp")) / f"serve-{self.port}.log", "w+")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ortspec.runtime.cli", "serve", "--model", str(model_dir),
+            [sys.executable, "-m", "ortspec.runtime.cli.main", "serve", "--model", str(model_dir),
              "--port", str(self.port), "--log-level", "warning", *args],
             stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + ready_s

@@ -10,11 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.anchors import (  # noqa: E402
+from ortspec.runtime.bench.anchors import (
     AnchorUnavailable,
     default_paths,
     genai_step_latency,
@@ -24,7 +20,7 @@ from benchmarks.anchors import (  # noqa: E402
     run_hf_anchor,
     summarize,
 )
-from benchmarks.anchors.anchor_io import validate_prompts  # noqa: E402
+from ortspec.runtime.bench.anchors.anchor_io import validate_prompts
 
 PROMPT = {"id": "a", "category": "c", "prompt": "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"}
 

@@ -1,4 +1,4 @@
-"""Batched decoding (`ortspec.runtime.batching`): several requests, one model call a step.
+"""Batched decoding (`ortspec.runtime.batching.runner`): several requests, one model call a step.
 
 On the NumPy reference model (`ReferenceBatchBackend`, one exact decoder a row) the scheduling
 is tested as a user meets it, through `BatchRow` decoders in threads: every row's greedy output
@@ -27,13 +27,13 @@ from ortspec.runtime import (
     plain_decode,
     speculative_decode_with,
 )
-from ortspec.runtime.batch_backend import ReferenceBatchBackend
-from ortspec.runtime.batching import BatchRunner
-from ortspec.runtime.calibration import CostCurve, CostSurface
-from ortspec.runtime.draft_length import AdaptiveDraftLength, BatchCosts
+from ortspec.runtime.batching.backend import ReferenceBatchBackend
+from ortspec.runtime.batching.runner import BatchRunner
+from ortspec.runtime.draft_length.calibration import CostCurve, CostSurface
+from ortspec.runtime.draft_length.policy import AdaptiveDraftLength, BatchCosts
 from ortspec.runtime.errors import NonFiniteLogitsError
-from ortspec.runtime.graph_io import TOKEN_ROWS, call_width, logit_rows_for, token_rows_for
-from ortspec.runtime.sampling import DraftBlock
+from ortspec.runtime.ort.graph_io import TOKEN_ROWS, call_width, logit_rows_for, token_rows_for
+from ortspec.runtime.decoding.sampling import DraftBlock
 from stats_helpers import assert_matches_marginals
 from helpers_decode import SMALL, exact_marginals
 from helpers_threads import in_threads
@@ -372,9 +372,9 @@ def window_dir(request):
 @pytest.mark.slow
 def test_the_window_export_takes_batches_and_its_rows_are_bitwise_their_solo_calls(window_dir):
     from ortspec.runtime import load_model
-    from ortspec.runtime.batch_backend import OrtBatchBackend
-    from ortspec.runtime.manifest import read_manifest
-    from ortspec.runtime.ort_decoder import OrtDecoder
+    from ortspec.runtime.batching.backend import OrtBatchBackend
+    from ortspec.runtime.ort.manifest import read_manifest
+    from ortspec.runtime.ort.decoder import OrtDecoder
 
     m = read_manifest(window_dir)
     assert m.max_batch == 16 and m.min_call_rows == 2
@@ -529,7 +529,7 @@ def test_serve_batches_concurrent_openai_clients_with_their_serial_texts(window_
 
 
 def test_serve_without_a_model_prefers_the_default_models_batched_export(tmp_path, monkeypatch):
-    from ortspec.runtime.cli_args import model_arg
+    from ortspec.runtime.cli.args import model_arg
     from ortspec.runtime.paths import default_model_path
 
     monkeypatch.setenv("ORTSPEC_MODELS_DIR", str(tmp_path))

@@ -22,8 +22,8 @@ import pytest
 
 from helpers_decode import GREEDY
 from ortspec.runtime import ReferenceDecoder, SpeculativeOptions, plain_decode
-from ortspec.runtime.batch_backend import ReferenceBatchBackend
-from ortspec.runtime.batching import BatchRunner
+from ortspec.runtime.batching.backend import ReferenceBatchBackend
+from ortspec.runtime.batching.runner import BatchRunner
 
 
 @contextlib.contextmanager
@@ -180,7 +180,7 @@ def test_a_row_between_the_prompts_is_ridden_only_where_it_has_room(rider_length
 @pytest.mark.slow
 def test_prompts_read_in_one_call_are_bitwise_each_read_alone(window_fp32):
     from ortspec.runtime import load_model
-    from ortspec.runtime.ort_decoder import OrtDecoder
+    from ortspec.runtime.ort.decoder import OrtDecoder
 
     model = load_model(window_fp32, max_concurrent=3, prefix_cache_mib=0)
     runner = model.runner

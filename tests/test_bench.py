@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from ortspec.bench.report import aggregate, markdown_tables
-from ortspec.bench.runner import Method
-from ortspec.bench.workload import CATEGORIES, interleave_categories, load_questions
+from ortspec.runtime.bench.report import aggregate, markdown_tables
+from ortspec.runtime.bench.runner import Method
+from ortspec.runtime.bench.workload import CATEGORIES, interleave_categories, load_questions
 from ortspec.runtime.errors import InvalidOptionError
 
 
@@ -129,7 +129,7 @@ def test_categories_are_the_documented_six():
 
 
 def test_reaggregate_rewrites_a_finished_run_with_this_versions_tables(tmp_path, capsys):
-    from ortspec.bench.cli import main as bench_main
+    from ortspec.runtime.bench.cli import main as bench_main
 
     records = [
         _rec("plain", 0, "rag", 100, 3.0, prefill=1.0),
@@ -168,8 +168,8 @@ def test_an_interrupted_run_resumes_where_it_stopped(tiny_dir, tmp_path, monkeyp
     """A run killed after some prompts leaves their records in partial.jsonl; --resume with the
     same options decodes only the rest and writes the tables a whole run writes; other options
     are refused before anything is decoded."""
-    from ortspec.bench import checkpoint
-    from ortspec.bench.cli import main as bench_main
+    from ortspec.runtime.bench import checkpoint
+    from ortspec.runtime.bench.cli import main as bench_main
     from ortspec.runtime.model import Model
 
     argv = ["--model", str(tiny_dir), "--per-category", "1", "--categories", "qa,translation,math_reasoning,rag",

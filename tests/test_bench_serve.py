@@ -80,7 +80,7 @@ def test_distinct_prompts_send_each_prompt_once_and_check_them_against_a_serial_
 def test_dev_split_prompts_keep_the_categories_asked_for(monkeypatch):
     import importlib.util
 
-    from ortspec.bench.workload import load_questions
+    from ortspec.runtime.bench.workload import load_questions
     from ortspec.runtime.errors import InvalidOptionError
 
     monkeypatch.syspath_prepend(str(SCRIPT.parent))  # as `python scripts/bench_serve.py` has it

@@ -10,11 +10,12 @@ import pytest
 from helpers_export import make_tiny_llama
 from scipy import special, stats
 
-from ortspec.runtime import check, check_cli
-from ortspec.runtime.check import run_checks
-from ortspec.runtime.stats import chi2_sf, chi_squared_test, regularized_gamma_q
+from ortspec.runtime.check import checks as check
+from ortspec.runtime.cli import check as check_cli
+from ortspec.runtime.check.checks import run_checks
+from ortspec.runtime.check.stats import chi2_sf, chi_squared_test, regularized_gamma_q
 from ortspec.runtime.load import load_model
-from ortspec.runtime.sampling import sample_from
+from ortspec.runtime.decoding.sampling import sample_from
 
 # -- the p-value without scipy ---------------------------------------------------------------------
 
@@ -182,7 +183,7 @@ def test_bad_model_dir_provider_or_option_is_one_line(capsys, tmp_path, tiny_dir
 
 
 def test_the_cli_dispatches_to_check(capsys, tmp_path):
-    from ortspec.runtime.cli import main
+    from ortspec.runtime.cli.main import main
 
     rc = main(["check", "--model", str(tmp_path / "none")])
     err = capsys.readouterr().err

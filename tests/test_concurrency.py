@@ -21,7 +21,7 @@ from ortspec.runtime import (
     SpeculativeOptions,
     load_model,
 )
-from ortspec.runtime.decode import plain_decode_steps, speculative_decode_steps
+from ortspec.runtime.decoding.loop import plain_decode_steps, speculative_decode_steps
 
 PROMPTS = [
     "Repeat after me: the cat sat on the mat, the cat sat on the mat, the cat",

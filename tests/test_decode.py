@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fixtures_drafters import BadDrafter, EmptyDrafter, OracleDrafter, RandomDrafter
-from ortspec.runtime.draft_length import AdaptiveDraftLength, CostCurve
+from ortspec.runtime.draft_length.policy import AdaptiveDraftLength, CostCurve
 from ortspec.runtime.drafters.composite import CostAwareDrafter
 from ortspec.runtime.drafters.draft_model import KEY as DRAFT_MODEL_KEY
 from ortspec.runtime import (

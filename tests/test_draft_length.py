@@ -5,8 +5,8 @@ import pytest
 
 from ortspec.runtime import DraftBlock, PromptLookupSpeculator, ReferenceConfig, ReferenceDecoder, SpeculativeOptions
 from ortspec.runtime import plain_decode, speculative_decode_with
-from ortspec.runtime.calibration import CostCurve, calibrated_cost_curve
-from ortspec.runtime.draft_length import AcceptanceModel, AdaptiveDraftLength, expected_tokens
+from ortspec.runtime.draft_length.calibration import CostCurve, calibrated_cost_curve
+from ortspec.runtime.draft_length.policy import AcceptanceModel, AdaptiveDraftLength, expected_tokens
 
 CPU_LIKE = CostCurve((1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8))  # c(n) = 0.9 + 0.1 n
 
@@ -154,7 +154,7 @@ def test_greedy_and_sampled_requests_learn_apart():
 
 
 def test_a_plain_step_reports_the_exact_chance_its_draft_had():
-    from ortspec.runtime.sampling import warp
+    from ortspec.runtime.decoding.sampling import warp
 
     class Recording(AdaptiveDraftLength):
         def __init__(self):

@@ -44,7 +44,7 @@ from ortspec.runtime import (
     verify_block,
     warp,
 )
-from ortspec.runtime.cli import main as cli_main
+from ortspec.runtime.cli.main import main as cli_main
 from ortspec.runtime.load import load_model
 
 CFG = ReferenceConfig(vocab_size=12, d_model=16, n_layers=1, n_heads=2, capacity=24, seed=3)

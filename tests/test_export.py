@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from ortspec.export import ExportOptionError, export_model
 from ortspec.export import validate as validate_mod
-from ortspec.runtime import manifest as mf
+from ortspec.runtime.ort import manifest as mf
 from ortspec.runtime.errors import ExportError, ManifestError
 
 CAP, VERIFY = 64, 4

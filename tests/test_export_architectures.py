@@ -22,11 +22,11 @@ from ortspec.export import export_model
 from ortspec.export.validate import TOLERANCES
 from ortspec.runtime import (PromptLookupSpeculator, SpeculativeOptions, load_model,
                              plain_decode, speculative_decode_with)
-from ortspec.runtime import manifest as mf
-from ortspec.runtime.check_cli import main as check_main
+from ortspec.runtime.ort import manifest as mf
+from ortspec.runtime.cli.check import main as check_main
 from ortspec.runtime.errors import ExportError
-from ortspec.runtime.ort_decoder import OrtDecoder
-from ortspec.runtime.row_invariance import row_differences
+from ortspec.runtime.ort.decoder import OrtDecoder
+from ortspec.runtime.ort.row_invariance import row_differences
 
 CAP, VERIFY = 64, 4
 PROMPT_LEN = 60  # longer than every sliding window below (16, 24)
@@ -262,8 +262,8 @@ def _check_batch_rows(out):
     block and for a one-token step (which runs unpadded on several rows); and packed (only the
     real tokens computed: blocks of different lengths, a row riding along), each row's own
     tokens still bitwise their solo call's, and the row riding along left as it was."""
-    from ortspec.runtime.batch_backend import OrtBatchBackend
-    from ortspec.runtime.sessions import OrtSessions
+    from ortspec.runtime.batching.backend import OrtBatchBackend
+    from ortspec.runtime.ort.sessions import OrtSessions
 
     sessions = OrtSessions(out, providers=["CPUExecutionProvider"])
     assert mf.TOKEN_ROWS in {i.name for i in sessions.by_entry["verify"].get_inputs()}

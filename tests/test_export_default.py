@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ortspec.runtime import manifest as mf
+from ortspec.runtime.ort import manifest as mf
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ def test_default_model_logits_match_pytorch(default_dir, checkpoint):
     from tokenizers import Tokenizer
 
     from ortspec.export.validate import TOLERANCES
-    from ortspec.runtime.ort_decoder import OrtDecoder
+    from ortspec.runtime.ort.decoder import OrtDecoder
 
     m = mf.read_manifest(default_dir, verify_checksums=False)
     text = m.chat_format.render(PROMPT)

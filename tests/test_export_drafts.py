@@ -21,9 +21,9 @@ from ortspec.export import drafts as drafts_mod
 from ortspec.export.quantize import quantize_blockwise
 from ortspec.runtime import (DraftModelDrafter, DrafterSpec, SpeculativeOptions, load_model,
                              plain_decode, speculative_decode_with)
-from ortspec.runtime import manifest as mf
+from ortspec.runtime.ort import manifest as mf
 from ortspec.runtime.errors import DrafterError, ExportError, InvalidOptionError, ManifestError
-from ortspec.runtime.ort_decoder import OrtDecoder
+from ortspec.runtime.ort.decoder import OrtDecoder
 
 CAP, VERIFY = 64, 4
 LAYERS = 2  # of the tiny Llama
@@ -379,7 +379,7 @@ def test_concurrent_requests_each_draft_on_their_own_slots_buffers(target_dir):
 
 @pytest.mark.parametrize("drafter", ["draft-model", "prompt-lookup+draft-model"])
 def test_the_cli_generates_with_the_paired_draft(target_dir, drafter, capsys):
-    from ortspec.runtime.cli import main
+    from ortspec.runtime.cli.main import main
 
     argv = ["generate", "--model", str(target_dir), "--prompt", "a b a b a b", "--max-new-tokens", "12",
             "--fixed-draft-len", "--drafter", drafter]
@@ -389,7 +389,7 @@ def test_the_cli_generates_with_the_paired_draft(target_dir, drafter, capsys):
 
 
 def test_the_bench_refuses_a_context_for_a_draft_on_its_targets_buffers(target_dir, tmp_path, capsys):
-    from ortspec.bench.cli import main
+    from ortspec.runtime.bench.cli import main
 
     argv = ["--model", str(target_dir), "--per-category", "1", "--methods", "plain,draft-model:c16",
             "--out", str(tmp_path / "out")]

@@ -40,7 +40,7 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Ge
 
 from ortspec.export import export_model
 from ortspec.export.checkpoint import decoder_spec
-from ortspec.runtime import manifest as mf
+from ortspec.runtime.ort import manifest as mf
 from ortspec.runtime.errors import ExportError
 
 HEADS = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}

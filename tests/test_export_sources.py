@@ -16,7 +16,7 @@ from helpers_export import make_tiny_llama, make_tokenizer
 import ortspec.export.sources as sources
 from ortspec.export import cli, default_model_dir
 from ortspec.export.chat import derive_chat_format, stop_token_ids
-from ortspec.runtime import manifest as mf
+from ortspec.runtime.ort import manifest as mf
 from ortspec.runtime.errors import ExportError
 
 MEMBER = "pkg/Tiny.gguf"

@@ -86,7 +86,7 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(wheel, user):
                     "from pathlib import Path\n"
                     "assert Path(r.__file__).parts[-4:-1] == ('site-packages', 'ortspec', 'runtime'), r.__file__\n"
                     "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'onnx')\n"
-                    "             or m.startswith(('ortspec.export', 'ortspec.bench')))\n"
+                    "             or m.startswith(('ortspec.export', 'ortspec.runtime.bench')))\n"
                     "assert not bad, bad\n"
                     "print('runtime', r.__version__)"], cwd=work, env=env), "importing the runtime")
     assert out.startswith("runtime ")

@@ -10,9 +10,9 @@ from helpers_export import make_tiny_llama, write_graph_dir
 from transformers import AutoModelForCausalLM
 
 from ortspec.export import export_model
-from ortspec.runtime import manifest as mf
+from ortspec.runtime.ort import manifest as mf
 from ortspec.runtime.errors import CapacityError, InvalidPromptError, OrtspecError
-from ortspec.runtime.ort_decoder import OrtDecoder
+from ortspec.runtime.ort.decoder import OrtDecoder
 
 CAP, VERIFY = 64, 4
 TOKENS = [5, 77, 301, 12, 190, 45, 9, 260, 33, 101, 7, 250, 64, 18]  # [14]
@@ -256,7 +256,7 @@ def test_decoders_join_global_thread_pools_an_application_created(tiny):
 
     code = (
         "import onnxruntime as ort, numpy as np\n"
-        "from ortspec.runtime.ort_decoder import OrtDecoder\n"
+        "from ortspec.runtime.ort.decoder import OrtDecoder\n"
         "ort.set_global_thread_pool_sizes(1, 1)\n"
         f"d = OrtDecoder({str(tiny[1])!r})\n"
         "print(np.isfinite(d.forward_batch([1, 2, 3])).all())\n"

@@ -9,9 +9,9 @@ import pytest
 from helpers_export import make_tiny_llama, make_tiny_qwen2
 
 from ortspec.export import ExportOptionError, export_model
-from ortspec.runtime import manifest as mf
+from ortspec.runtime.ort import manifest as mf
 from ortspec.runtime.errors import InvalidOptionError
-from ortspec.runtime.ort_decoder import OrtDecoder
+from ortspec.runtime.ort.decoder import OrtDecoder
 
 CAP, VERIFY = 48, 4
 TOKENS = [5, 77, 301, 12, 190, 45, 9, 260, 33, 101, 7]  # [11]

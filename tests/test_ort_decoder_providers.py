@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-import ortspec.runtime.providers as providers_mod
-from ortspec.runtime import manifest as mf
+import ortspec.runtime.ort.providers as providers_mod
+from ortspec.runtime.ort import manifest as mf
 from ortspec.runtime.errors import ProviderError
-from ortspec.runtime.providers import CPU, CUDA, TENSORRT, default_kv_mode, kv_device, \
+from ortspec.runtime.ort.providers import CPU, CUDA, TENSORRT, default_kv_mode, kv_device, \
     resolve_providers, tensorrt_profiles
 
 

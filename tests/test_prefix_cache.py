@@ -1,4 +1,4 @@
-"""The prefix cache (`ortspec.runtime.prefix_cache`): prompts that start the same copy the keys
+"""The prefix cache (`ortspec.runtime.batching.prefix_cache`): prompts that start the same copy the keys
 and values of the shared tokens instead of computing them.
 
 The cache itself: longest common prefix, never a whole prompt, the byte budget, least recently
@@ -25,10 +25,10 @@ from ortspec.runtime import (
     plain_decode,
     speculative_decode_with,
 )
-from ortspec.runtime.batch_backend import ReferenceBatchBackend
-from ortspec.runtime.batching import BatchRunner
+from ortspec.runtime.batching.backend import ReferenceBatchBackend
+from ortspec.runtime.batching.runner import BatchRunner
 from ortspec.runtime.errors import InvalidOptionError
-from ortspec.runtime.prefix_cache import PrefixCache
+from ortspec.runtime.batching.prefix_cache import PrefixCache
 
 CONFIG = GREEDY  # the reference model of the greedy decode tests
 
@@ -156,7 +156,7 @@ def test_concurrent_requests_sharing_a_prefix_give_their_solo_outputs(temperatur
 @pytest.mark.slow
 def test_prefill_after_a_copied_prefix_is_bitwise_the_whole_prefill(window_fp32):
     from ortspec.runtime import load_model
-    from ortspec.runtime.ort_decoder import OrtDecoder
+    from ortspec.runtime.ort.decoder import OrtDecoder
 
     model = load_model(window_fp32, max_concurrent=2)
     assert model.runner is not None and model.runner.prefix_cache is not None

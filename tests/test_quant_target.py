@@ -20,13 +20,13 @@ from ortspec.export import cli as export_cli
 from ortspec.export.quantize import quantize_blockwise
 from ortspec.runtime import (SpeculativeOptions, load_model, plain_decode,
                              speculative_decode_with)
-from ortspec.runtime import manifest as mf
-from ortspec.runtime.calibration import CostCurve
-from ortspec.runtime.check import run_checks
+from ortspec.runtime.ort import manifest as mf
+from ortspec.runtime.draft_length.calibration import CostCurve
+from ortspec.runtime.check.checks import run_checks
 from ortspec.runtime.drafters.prompt_lookup import PromptLookupSpeculator
 from ortspec.runtime.errors import CapacityError
-from ortspec.runtime.ort_decoder import OrtDecoder
-from ortspec.runtime.row_invariance import lone_rows_exact, row_differences
+from ortspec.runtime.ort.decoder import OrtDecoder
+from ortspec.runtime.ort.row_invariance import lone_rows_exact, row_differences
 
 CAP, VERIFY = 64, 6
 
@@ -226,7 +226,7 @@ def test_ortspec_check_passes_on_an_int4_export(int4_dir):
 
 
 def test_on_a_padded_export_one_ulp_off_fails_the_row_invariance_check(int4_dir, monkeypatch):
-    from ortspec.runtime import check
+    from ortspec.runtime.check import checks as check
 
     model = load_model(int4_dir)
     real = model.decoder.forward_batch

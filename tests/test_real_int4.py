@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from ortspec.bench.workload import default_questions_path, interleave_categories, load_questions
+from ortspec.runtime.bench.workload import default_questions_path, interleave_categories, load_questions
 from ortspec.runtime import PromptLookupSpeculator, SpeculativeOptions, plain_decode, \
     speculative_decode_with
 from ortspec.runtime.load import load_model
-from ortspec.runtime.row_invariance import row_differences
+from ortspec.runtime.ort.row_invariance import row_differences
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

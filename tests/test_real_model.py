@@ -12,7 +12,7 @@ import shutil
 import numpy as np
 import pytest
 
-from ortspec.bench.workload import default_questions_path, interleave_categories, load_questions
+from ortspec.runtime.bench.workload import default_questions_path, interleave_categories, load_questions
 from ortspec.runtime import (
     DraftModelDrafter,
     ManifestError,
@@ -22,7 +22,7 @@ from ortspec.runtime import (
     plain_decode,
     speculative_decode_with,
 )
-from ortspec.runtime.draft_length import AdaptiveDraftLength, CostCurve
+from ortspec.runtime.draft_length.policy import AdaptiveDraftLength, CostCurve
 from ortspec.runtime.load import load_model
 
 pytestmark = pytest.mark.slow

@@ -28,7 +28,7 @@ import pytest
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed")
 
-from ortspec.runtime.manifest import ChatFormat  # noqa: E402
+from ortspec.runtime.ort.manifest import ChatFormat  # noqa: E402
 from ortspec.runtime.serve.engine import Admission, QueueFull  # noqa: E402
 from ortspec.runtime.serve.protocol import ApiError, ModelInfo, parse_chat, parse_completion  # noqa: E402
 from ortspec.runtime.serve.stops import StopMatcher, tokens_through  # noqa: E402
@@ -159,13 +159,13 @@ def test_admission_runs_then_queues_then_refuses_and_hands_places_on_in_order():
 
 def test_serve_without_the_extra_names_the_install_command():
     code = ("import sys; sys.modules['fastapi'] = None\n"
-            "from ortspec.runtime.cli import main; sys.exit(main(['serve']))")
+            "from ortspec.runtime.cli.main import main; sys.exit(main(['serve']))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "pip install 'ortspec[serve]'" in p.stderr, p.stderr
 
 
 def test_ray_options_are_checked_before_anything_loads():
-    from ortspec.runtime.cli import main
+    from ortspec.runtime.cli.main import main
 
     assert main(["serve", "--replicas", "2"]) == 2  # --replicas without --ray
     assert main(["serve", "--ray", "--replicas", "0"]) == 2

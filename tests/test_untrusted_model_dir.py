@@ -22,13 +22,13 @@ import pytest
 from helpers_export import write_graph_dir
 from onnx import TensorProto, helper, numpy_helper
 
-from ortspec.runtime import manifest as mf
+from ortspec.runtime.ort import manifest as mf
 from ortspec.runtime.errors import ManifestError
 from ortspec.runtime.load import load_model
-from ortspec.runtime.onnx_guard import read_graph_summary
-from ortspec.runtime.ort_decoder import OrtDecoder
+from ortspec.runtime.ort.onnx_guard import read_graph_summary
+from ortspec.runtime.ort.decoder import OrtDecoder
 
-RUNTIME = Path(mf.__file__).resolve().parent
+RUNTIME = Path(mf.__file__).resolve().parents[1]  # ortspec.runtime (the manifest is in ort/)
 
 
 @pytest.fixture(scope="module")

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from ..errors import InvalidOptionError
-from ..protocols import DraftLengthPolicy, Drafter
-from ..sampling import DraftBlock
-from ..draft_length import AcceptanceModel
+from ..decoding.protocols import DraftLengthPolicy, Drafter
+from ..decoding.sampling import DraftBlock
+from ..draft_length.policy import AcceptanceModel
 from .draft_model import DraftModelDrafter
 
 if TYPE_CHECKING:
-    from ..decode import SpeculativeOptions
+    from ..decoding.options import SpeculativeOptions
 
 
 class FallbackDrafter:

@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import numpy as np
 
-from ..history import HistoryFollower
-from ..protocols import DraftLengthPolicy, DrafterBase
-from ..sampling import DraftBlock, DraftDist, sample_from
+from ..decoding.history import HistoryFollower
+from ..decoding.protocols import DraftLengthPolicy, DrafterBase
+from ..decoding.sampling import DraftBlock, DraftDist, sample_from
 from ..validation import check_int
 from .prompt_lookup import PRIOR_BY_MATCH_LEN, check_lookup_sizes
 
 if TYPE_CHECKING:
-    from ..decode import SpeculativeOptions
+    from ..decoding.options import SpeculativeOptions
 
 
 class Continuations:

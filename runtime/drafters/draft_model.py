@@ -34,14 +34,14 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from ..errors import DrafterError, InvalidOptionError
-from ..history import TokenHistory
-from ..ort_decoder import OrtDecoder
-from ..protocols import Decoder, DraftLengthPolicy, DrafterBase
-from ..sampling import DraftBlock, DraftDist, check_sampling_options, sample_from, warp
+from ..decoding.history import TokenHistory
+from ..ort.decoder import OrtDecoder
+from ..decoding.protocols import Decoder, DraftLengthPolicy, DrafterBase
+from ..decoding.sampling import DraftBlock, DraftDist, check_sampling_options, sample_from, warp
 from ..validation import check_int
 
 if TYPE_CHECKING:
-    from ..decode import SpeculativeOptions
+    from ..decoding.options import SpeculativeOptions
 
 SOURCE = "draft_model"  # DraftBlock.source of these drafts
 KEY = (SOURCE, 0)  # the draft-length policy's key of these drafts

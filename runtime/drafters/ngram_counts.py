@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..sampling import DraftBlock, DraftDist
+from ..decoding.sampling import DraftBlock, DraftDist
 from .continuations import Continuations, SampledLookupState
 
 SOURCE = "ngram_counts"  # DraftBlock.source of these drafts

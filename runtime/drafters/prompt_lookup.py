@@ -20,9 +20,9 @@ from __future__ import annotations
 from typing import Literal, Sequence
 
 from ..errors import InvalidOptionError
-from ..history import HistoryFollower
-from ..protocols import DraftLengthPolicy, DrafterBase
-from ..sampling import DraftBlock
+from ..decoding.history import HistoryFollower
+from ..decoding.protocols import DraftLengthPolicy, DrafterBase
+from ..decoding.sampling import DraftBlock
 from ..validation import check_int
 
 Prefer = Literal["recent", "first"]

@@ -28,7 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..sampling import DraftBlock, DraftDist, warp
+from ..decoding.sampling import DraftBlock, DraftDist, warp
 from ..validation import check_int
 from .continuations import Continuations, SampledLookupState
 

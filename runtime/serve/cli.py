@@ -21,11 +21,11 @@ import signal
 
 import uvicorn
 
-from ..cli_args import UserErrorParser, add_model_options, model_arg, providers_arg
+from ..cli.args import UserErrorParser, add_model_options, model_arg, providers_arg
 from ..drafters import DRAFTER_NAMES, NEEDS_DRAFT_MODEL
 from ..errors import InvalidOptionError, OrtspecError
 from ..paths import DEFAULT_MODEL_NAME, default_model_path
-from ..prefix_cache import DEFAULT_PREFIX_CACHE_MIB, prefix_cache_bytes
+from ..batching.prefix_cache import DEFAULT_PREFIX_CACHE_MIB, prefix_cache_bytes
 from ..validation import check_int
 from .app import create_app
 

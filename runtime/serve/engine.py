@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable
 
-from ..counters import DecodeCounters
+from ..decoding.counters import DecodeCounters
 from .metrics import ServerMetrics
 from .protocol import GenerationRequest, finish_reason
 from .stops import StopMatcher, tokens_through

@@ -12,7 +12,7 @@ non-empty draft), `..._num_draft_tokens_total` (drafted), `..._num_accepted_toke
 (accepted) and `..._num_accepted_tokens_per_pos_total{position}` (accepted at draft position
 0, 1, ...).
 
-A model that batches (`ortspec.runtime.batching`) adds `ortspec:batch_rows` (a histogram of
+A model that batches (`ortspec.runtime.batching.runner`) adds `ortspec:batch_rows` (a histogram of
 the requests each batched call carried), `ortspec:batch_tokens_per_row` (of the tokens a row
 each call ran, S, padding included) and `ortspec:batch_padded_rows_total` (rows carried along
 without a job), and vLLM's `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total`
@@ -27,8 +27,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the app
 
-from ..batching import BatchStats
-from ..counters import DecodeCounters
+from ..batching.runner import BatchStats
+from ..decoding.counters import DecodeCounters
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)

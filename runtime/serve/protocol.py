@@ -17,9 +17,9 @@ import time
 import uuid
 from typing import Any, Callable, Literal
 
-from ..counters import DecodeCounters
-from ..decode import SpeculativeOptions
-from ..manifest import ChatFormat
+from ..decoding.counters import DecodeCounters
+from ..decoding.options import SpeculativeOptions
+from ..ort.manifest import ChatFormat
 from ..validation import is_int
 
 Kind = Literal["chat", "completion"]

@@ -24,7 +24,7 @@ from typing import Any
 from ray import serve
 
 from ..errors import InvalidOptionError
-from ..prefix_cache import DEFAULT_PREFIX_CACHE_MIB
+from ..batching.prefix_cache import DEFAULT_PREFIX_CACHE_MIB
 from .app import create_app
 
 APP_NAME = "ortspec"

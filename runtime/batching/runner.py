@@ -1,0 +1,473 @@
+"""Continuous batching beneath the `Decoder` protocol: many requests, one model call a step.
+
+Each request decodes in its own thread exactly as it would alone (`speculative_decode_steps`
+with its own drafter, policy, sampler and seed) on a `BatchRow` (`batch_rows.py`), a
+`Decoder` that owns no KV buffers. A row's calls are jobs for one `BatchRunner` thread, which
+combines the jobs of all rows into one call of the backend (`batch_backend.py`): B rows, each appending its own block
+(a plain step's token, or a pending token and k drafts) after its own valid length, every
+block padded to the call's S with copies of its last token. Prefill is chunked and alternates
+with the batched calls, so the running rows keep decoding while a prompt is read (the jobs that
+came in during a chunk all run in the call after it): a prefill call reads up to
+`prefill_chunk` prompt tokens in all, from every row with a prompt waiting, oldest first (one
+call of several prompts shares the cost of reading the weights that each chunk pays).
+
+- **Rows join and leave between calls.** A row takes the lowest free row of the KV pool at its
+  first job and gives it back when its request ends (`release`); the runner then moves the
+  highest occupied row into the hole, so the occupied rows are always 0..n-1 and a call covers
+  them without gaps.
+- **The barrier.** The runner calls as soon as every decoding row has a job waiting, or when
+  the first job has waited half a recent call's duration (at least `gather_seconds`): a row
+  that joins a call adds a fraction of its cost, one that misses it costs a call of its own,
+  and without the wait rows fall out of step for good (each call's rows come back while the
+  other rows' call runs). A row without a job (still drafting, or prefilling) rides along
+  with padding tokens written past its valid length, where nothing reads them; its cache is
+  unchanged.
+- **Lossless per row.** A row's logits are bitwise those of its solo decode (the backend's
+  calls are row-invariant), so each request's output is what it would be alone, at every
+  temperature; the per-row sampling is the request's own.
+- **Failures stay in their row.** Non-finite logits fail only the row they appear in; an
+  error of the whole call fails the jobs in it, and the runner goes on.
+- **Prompts that start the same** (`prefix_cache_bytes`): a prompt read into an empty row is
+  kept in a `PrefixCache`, and a later prompt copies the keys and values of the tokens it
+  shares with one instead of computing them (exact, as the calls are row-invariant). A prompt
+  that shares a long prefix with an older one still being read waits for it.
+
+The rows' capacity is the pool's less `max_verify_len`: a row carried along appends at most
+that many padding tokens.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .backend import BatchBackend
+from .rows import BatchJob, BatchRow, BatchStats
+from ..errors import ModelBusyError, NonFiniteLogitsError, OrtspecError
+from ..ort.graph_io import call_width
+from .prefix_cache import PrefixCache, shared_prefix
+from ..validation import check_int
+
+GATHER_SECONDS = 0.003  # the least a call waits for the decoding rows that have no job yet
+WAIT_FRACTION = 0.5  # ... and the most, as a fraction of a recent batched call's duration
+CALL_ALPHA = 0.2  # weight of the newest call in that recent duration
+PREFILL_CHUNK = 128  # prompt tokens a prefill call reads in all, while other rows decode
+PREFIX_WAIT_TOKENS = 16  # a prompt waits for an older one's if it then copies this many more
+IDLE_SECONDS = 1.0  # an idle runner thread checks this often whether its model is still used
+
+
+class BatchRunner:
+    """Runs every row's calls on one thread, as batched calls of `backend`."""
+
+    def __init__(self, backend: BatchBackend, *, max_verify_len: int,
+                 gather_seconds: float = GATHER_SECONDS, prefill_chunk: int = PREFILL_CHUNK,
+                 prefix_cache_bytes: int = 0) -> None:
+        check_int("max_verify_len", max_verify_len, minimum=1)
+        self.backend = backend
+        # prompts' keys and values kept for later prompts that start the same (0: none)
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
+        self.max_verify_len = min(int(max_verify_len), backend.max_call)
+        self.gather_seconds = float(gather_seconds)
+        check_int("prefill_chunk", prefill_chunk, minimum=1)
+        self.prefill_chunk = int(prefill_chunk)  # prompt tokens a prefill call reads in all
+        self.stats = BatchStats()
+        self._cond = threading.Condition()
+        self._slots: list[BatchRow | None] = [None] * backend.max_rows  # pool row -> its row
+        self._jobs: dict[BatchRow, BatchJob] = {}  # decode jobs waiting for the next call
+        self._prefills: collections.deque[BatchJob] = collections.deque()
+        self._releases: list[BatchRow] = []
+        self._tasks: collections.deque[
+            tuple[Callable[[BatchBackend, np.ndarray], Any], BatchJob]] = collections.deque()
+        self._decoding: set[BatchRow] = set()  # rows expected at the next call
+        self._first_wait: float | None = None  # when the oldest waiting decode job arrived
+        self._call_seconds = 0.0  # running average of the batched calls' durations
+        self._free_since = time.monotonic()  # when the runner's last call ended
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def max_rows(self) -> int:
+        return self.backend.max_rows
+
+    @property
+    def active_rows(self) -> int:
+        """Rows decoding now (at least 1): what a row's draft-length policy prices a call at."""
+        with self._cond:
+            return max(1, len(self._decoding))
+
+    def row(self) -> "BatchRow":
+        return BatchRow(self)
+
+    def exclusive(self, fn: "Callable[[BatchBackend, np.ndarray], Any]") -> Any:
+        """fn(backend, floors) on the runner's thread between calls, no row's call running
+        meanwhile (measuring the cost surface); its result, or its exception. floors
+        [max_rows] are the rows' valid lengths: fn may write past them, never below."""
+        job = BatchJob(None, np.zeros(0, np.int64), prefill=False)  # type: ignore[arg-type]
+        with self._cond:
+            self._start()
+            self._tasks.append((fn, job))
+            self._cond.notify_all()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def _start(self) -> None:
+        if self._closed:
+            raise OrtspecError("the batch runner has been closed")
+        if self._thread is None:
+            # the thread holds the runner weakly between iterations, so a model nobody
+            # references any more is collected and its thread ends
+            self._thread = threading.Thread(target=_serve, args=(weakref.ref(self),),
+                                            name="ortspec-batch", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    # -- called by rows (their request threads) --------------------------------------------------
+
+    def submit(self, job: BatchJob) -> np.ndarray:
+        """Queue a row's job and wait for it: its logits, or its error raised."""
+        with self._cond:
+            self._start()
+            if job.prefill:
+                self._decoding.discard(job.row)
+                self._prefills.append(job)
+            else:
+                self._decoding.add(job.row)
+                self._jobs[job.row] = job
+                if self._first_wait is None:
+                    self._first_wait = time.monotonic()
+            self._cond.notify_all()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        assert job.result is not None
+        return job.result
+
+    def release(self, row: BatchRow) -> None:
+        """A row's request is over: its pool row is given back before the next call."""
+        with self._cond:
+            self._decoding.discard(row)
+            if row.index is not None:
+                self._releases.append(row)
+                self._cond.notify_all()
+
+    # -- the runner thread -----------------------------------------------------------------------
+
+    def _step(self) -> bool:
+        """One iteration of the runner thread: a task, or a prefill chunk and/or a batched
+        call, or nothing after IDLE_SECONDS; False once the runner is closed."""
+        with self._cond:
+            task = self._tasks.popleft() if self._tasks else None
+        if task is not None:
+            fn, job = task
+            floors = np.array([0 if r is None else r.length for r in self._slots], np.int64)
+            try:
+                job.result = fn(self.backend, floors)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                job.error = e
+            job.done.set()
+            return True
+        with self._cond:
+            prefills, jobs = self._next_work()
+            if prefills is None and jobs is None:
+                return False
+            for job in list(prefills or ()) + list(jobs or ()):
+                self._place(job)
+        if prefills:
+            self._prefill_call(prefills)
+            # the rows whose jobs came in during the chunk join the call that follows it, so
+            # a prompt being read does not split the decoding rows into two calls
+            with self._cond:
+                jobs = self._take_jobs()
+                for job in jobs:
+                    self._place(job)
+        if jobs:
+            self._decode_call(jobs)
+        with self._cond:
+            self._free_since = time.monotonic()
+            if prefills:
+                self._prefills = collections.deque(j for j in self._prefills
+                                                   if not j.done.is_set())
+        return True
+
+    def _next_work(self) -> tuple[list[BatchJob] | None, list[BatchJob] | None]:
+        """Under the lock: wait for prompts to read (the prefill jobs waiting, oldest first) or
+        a full (or timed-out) batch of decode jobs; (None, None) when closed, (None, []) for a
+        task or after IDLE_SECONDS with nothing to do."""
+        idle_since = time.monotonic()
+        while True:
+            self._apply_releases()
+            if self._closed:
+                return None, None
+            if self._tasks:
+                return None, []
+            prefills = list(self._prefills) or None
+            if self._jobs:
+                waiting = [r for r in self._decoding if r not in self._jobs]
+                patience = max(self.gather_seconds, WAIT_FRACTION * self._call_seconds)
+                # the wait counts from when a job arrived or the last call ended, the later:
+                # jobs that came in during a call have not waited for the rows in it
+                start = max(self._first_wait or 0.0, self._free_since)
+                late = time.monotonic() - start >= patience
+                if prefills:  # their chunks first; the decode jobs after them
+                    return prefills, None
+                if not waiting or late:
+                    return None, self._take_jobs()
+                self._cond.wait(max(0.0, patience - (time.monotonic() - start)))
+                continue
+            if prefills:
+                return prefills, None
+            if time.monotonic() - idle_since >= IDLE_SECONDS:
+                return None, []
+            self._cond.wait(IDLE_SECONDS)
+
+    def _take_jobs(self) -> list[BatchJob]:
+        """Under the lock: the decode jobs waiting now, for the next call."""
+        jobs = list(self._jobs.values())
+        self._jobs.clear()
+        self._first_wait = None
+        return jobs
+
+    def _apply_releases(self) -> None:
+        for row in self._releases:
+            i = row.index
+            if i is None or self._slots[i] is not row:
+                continue
+            row.index = None
+            last = max(j for j, r in enumerate(self._slots) if r is not None)
+            self._slots[i] = None
+            if last != i:  # keep the occupied rows contiguous: the last one fills the hole
+                moved = self._slots[last]
+                assert moved is not None
+                self.backend.move(last, i, moved.length)
+                self._slots[i], self._slots[last] = moved, None
+                moved.index = i
+        self._releases.clear()
+
+    def _place(self, job: BatchJob) -> None:
+        row = job.row
+        if row.index is None:
+            try:
+                row.index = self._slots.index(None)
+            except ValueError:
+                job.error = ModelBusyError(f"all {self.max_rows} rows of the batch are in use")
+                job.done.set()
+                return
+            self._slots[row.index] = row
+
+    def _prefill_call(self, waiting: list[BatchJob]) -> None:
+        """One call reading the next chunks of the waiting prompts (see `_prefill_plan`)."""
+        plan = self._prefill_plan([j for j in waiting if not j.done.is_set()])
+        if not plan:
+            return
+        lo, hi, s = self._prefill_span(plan)
+        ids = np.zeros((hi - lo, s), np.int64)  # rows riding along append zeros, never read
+        lengths = np.array([0 if r is None else r.length for r in self._slots[lo:hi]], np.int64)
+        real, take = [], []  # flat positions: each job's chunk; its last (or every) position
+        for job, n in plan:
+            r = job.row.index - lo  # type: ignore[operator]
+            _pad_into(ids[r], job.tokens[job.offset: job.offset + n])
+            real.append(r * s + np.arange(n))
+            take.append(real[-1] if job.keep_all else real[-1][-1:])
+        try:
+            logits = self.backend.run(lo, hi, ids, lengths, take=np.concatenate(take),
+                                      real=np.concatenate(real))
+        except BaseException as e:  # noqa: BLE001 - handed to the rows' threads
+            for job, _ in plan:
+                self._fail_prefill(job, e)
+            return
+        self.stats.prefill_calls += 1
+        first = 0
+        for (job, n), rows in zip(plan, take, strict=True):
+            got = logits[first: first + rows.size]  # [1 or n, vocab]
+            first += rows.size
+            row = job.row
+            if not np.isfinite(got).all():  # the rows read (a prompt chunk: its last)
+                start = row.length + (0 if job.keep_all else n - 1)
+                self._fail_prefill(job, _non_finite(start, got.shape[0]))
+                continue
+            row.length += n
+            job.offset += n
+            if job.keep_all:
+                job.parts.append(got.copy())
+            else:  # only the last chunk's row is the result
+                job.parts = [got.copy()]
+            if job.offset >= job.tokens.size:
+                self._keep_prefix(job)
+                job.result = np.concatenate(job.parts) if job.keep_all else job.parts[-1][0]
+                job.done.set()
+
+    def _prefill_plan(self, jobs: list[BatchJob]) -> list[tuple[BatchJob, int]]:
+        """(job, tokens it reads) for the next prefill call, in row order: the jobs oldest
+        first, each its remaining tokens (at most the backend's `max_call`), while the call's
+        `prefill_chunk` lasts. A job that
+        wants every position's logits (a long block, not a prompt) runs alone. A job joins
+        only if every row the call then covers has room for S positions past its valid length
+        (the oldest job alone always has: its row's capacity holds its prompt)."""
+        plan: list[tuple[BatchJob, int]] = []
+        budget = self.prefill_chunk
+        for k, job in enumerate(jobs):
+            if budget <= 0 or (plan and job.keep_all):
+                break
+            if job.start is None and self._waits_for_prefix(job, jobs[:k]):
+                continue
+            self._begin_prefill(job)
+            n = min(job.tokens.size - job.offset, budget, self.backend.max_call)
+            trial = sorted(plan + [(job, n)], key=lambda p: p[0].row.index)  # type: ignore
+            lo, hi, s = self._prefill_span(trial)
+            if any(r is not None and r.length + s > self.backend.capacity
+                   for r in self._slots[lo:hi]):
+                assert plan, "a prompt's first chunk always fits its row"
+                continue
+            plan, budget = trial, budget - n
+            if job.keep_all:
+                break
+        return plan
+
+    def _prefill_span(self, plan: list[tuple[BatchJob, int]]) -> tuple[int, int, int]:
+        """(lo, hi, S) of the call for a plan in row order: the rows from its first job's to
+        its last's, and its longest chunk (a single token padded to min_rows)."""
+        lo, hi = plan[0][0].row.index, plan[-1][0].row.index + 1  # type: ignore[operator]
+        return lo, hi, call_width(1, max(n for _, n in plan), self.backend.min_rows)
+
+    def _waits_for_prefix(self, job: BatchJob, older: list[BatchJob]) -> bool:
+        """Whether a prompt not begun yet is better read later: an older prompt being read
+        (into the cache once done) shares PREFIX_WAIT_TOKENS more leading tokens with it than
+        the cache holds now. Several chat requests arriving at once then compute their system
+        prompt once; the oldest prompt never waits."""
+        cache = self.prefix_cache
+        if cache is None or job.keep_all or job.row.length != 0:
+            return False
+        limit = job.tokens.size - 1
+        coming = max((min(limit, shared_prefix(job.tokens, j.tokens)) for j in older
+                      if j.start is not None and self._prefix_cache_for(j) is not None
+                      and j.tokens.size * self.backend.token_bytes <= cache.max_bytes),
+                     default=0)
+        if coming < PREFIX_WAIT_TOKENS:
+            return False
+        return coming - cache.match(job.tokens)[1] >= PREFIX_WAIT_TOKENS
+
+    def _begin_prefill(self, job: BatchJob) -> None:
+        """A prefill's first call: the row's length is noted, and a prompt on an empty row
+        starts from the longest cached prefix it has."""
+        if job.start is None:
+            job.start = job.row.length
+            self._reuse_prefix(job)
+
+    def _fail_prefill(self, job: BatchJob, error: BaseException) -> None:
+        assert job.start is not None
+        job.row.length = job.start
+        job.error = error
+        job.done.set()
+
+    def _prefix_cache_for(self, job: BatchJob) -> PrefixCache | None:
+        """The prefix cache, for a prefill that reads a prompt into an empty row and wants only
+        its last logits; None for any other (or without a cache)."""
+        return None if job.start != 0 or job.keep_all else self.prefix_cache
+
+    def _reuse_prefix(self, job: BatchJob) -> None:
+        """A prompt on an empty row: copy the keys and values of the longest cached prefix it
+        starts with, and prefill from there (only its last chunk's logits are wanted)."""
+        row, cache = job.row, self._prefix_cache_for(job)
+        if cache is None:
+            return
+        entry, n = cache.match(job.tokens)
+        self.stats.record_prefix(queried=job.tokens.size, hit=n)
+        if entry is not None:
+            assert row.index is not None
+            self.backend.load(row.index, entry.kv, n)
+            row.length = job.offset = n
+
+    def _keep_prefix(self, job: BatchJob) -> None:
+        """A prompt read from an empty row: its keys and values go into the prefix cache."""
+        row, cache = job.row, self._prefix_cache_for(job)
+        if cache is None:
+            return
+        n = job.tokens.size
+        nbytes = n * self.backend.token_bytes
+        if cache.wants(job.tokens, nbytes):
+            assert row.index is not None
+            try:
+                saved = self.backend.save(row.index, n)
+            except MemoryError:  # the cache is an optimisation: the request goes on without it
+                return
+            cache.add(job.tokens, saved, nbytes)
+
+    def _decode_call(self, jobs: list[BatchJob]) -> None:
+        jobs = [j for j in jobs if not j.done.is_set()]
+        if not jobs:
+            return
+        by_index = {j.row.index: j for j in jobs}
+        hi = max(by_index) + 1  # type: ignore[type-var]
+        s = call_width(hi, max(j.tokens.size for j in jobs), self.backend.min_rows)
+        ids = np.zeros((hi, s), np.int64)
+        lengths = np.zeros(hi, np.int64)
+        # the positions whose logits come back: each job's own tokens, not its padding, and
+        # nothing of the rows riding along; job i's rows start at offsets[i] of the result
+        order = sorted(by_index)
+        take = np.concatenate([i * s + np.arange(by_index[i].tokens.size) for i in order])
+        offsets = dict(zip(order, np.cumsum([0] + [by_index[i].tokens.size for i in order])))
+        for i in range(hi):
+            row = self._slots[i]
+            lengths[i] = row.length if row is not None else 0
+            job = by_index.get(i)
+            if job is not None:  # (a row without a job rides along on zeros, written past
+                _pad_into(ids[i], job.tokens)  # its valid length and never read)
+        self.stats.record(rows=len(jobs), width=s, padded=hi - len(jobs))
+        try:
+            t0 = time.perf_counter()
+            # the jobs' own tokens are the positions computed: padding and rows riding along
+            # need no MatMul rows (take is ascending: rows in order, each its tokens in order)
+            logits = self.backend.run(0, hi, ids, lengths, take=take, real=take)
+            seconds = time.perf_counter() - t0
+            self._call_seconds += CALL_ALPHA * (seconds - self._call_seconds)
+        except BaseException as e:  # noqa: BLE001 - every job of the call gets the error
+            for job in jobs:
+                job.error = e
+                job.done.set()
+            return
+        for i, job in by_index.items():
+            n = job.tokens.size
+            rows = logits[offsets[i]:offsets[i] + n]
+            row = job.row
+            row.ort_seconds += seconds
+            if not np.isfinite(rows).all():
+                job.error = _non_finite(row.length, n)
+            else:
+                job.result = rows.copy()
+                row.length += n
+            job.done.set()
+
+
+def _pad_into(out: np.ndarray, tokens: np.ndarray) -> None:
+    """out [S] = tokens [n <= S], then copies of the last token (what the padded rows compute
+    is past the row's valid length and dropped)."""
+    out[:tokens.size] = tokens
+    out[tokens.size:] = tokens[-1]
+
+
+def _non_finite(start: int, n: int) -> NonFiniteLogitsError:
+    return NonFiniteLogitsError(f"the graph returned NaN or infinite logits at positions "
+                                f"{start}..{start + n - 1}")
+
+
+def _serve(ref: "weakref.ref[BatchRunner]") -> None:
+    """The runner thread: iterations of `BatchRunner._step`, the runner held only during one."""
+    while True:
+        runner = ref()
+        if runner is None or not runner._step():
+            return
+        del runner

@@ -1,0 +1,1 @@
+"""The `ortspec` command line; other tiers are imported inside the subcommands that need them."""

@@ -1,0 +1,182 @@
+"""`ortspec`: generate, export, bench, check.
+
+    ortspec export [SOURCE] [--out DIR] ...          (needs the `export` extra)
+    ortspec generate --model DIR --prompt "..." [--chat] [--temperature T] ...
+    ortspec bench [--split dev] [--per-category N] ...
+    ortspec check --model DIR [--providers ...]
+    ortspec serve [--model DIR] [--port 8000] [--max-concurrent N] ...   (needs the `serve` extra)
+
+Errors the user can fix print as one line and exit with status 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .args import UserErrorParser, add_model_options, model_arg, providers_arg
+from ..drafters import DRAFTER_NAMES, NEEDS_DRAFT_MODEL
+from ..errors import InvalidOptionError, InvalidPromptError, OrtspecError
+from ..paths import default_model_path, models_dir  # noqa: F401 - re-exported
+from ..validation import check_int
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _check_generate_args(args: argparse.Namespace) -> str:
+    """Everything `generate` can check before loading the model; returns the prompt text."""
+    from ..drafters.prompt_lookup import PromptLookupSpeculator
+    from ..ort.providers import resolve_providers
+
+    if args.prompt is None and args.prompt_file is None:
+        raise OrtspecError("give --prompt TEXT or --prompt-file PATH")
+    if args.prompt is not None and args.prompt_file is not None:
+        raise OrtspecError("give --prompt TEXT or --prompt-file PATH, not both")
+    if args.seed is not None:
+        check_int("--seed", args.seed, minimum=0)
+    if args.threads is not None:
+        check_int("--threads", args.threads, minimum=0, what=" (0 = onnxruntime's default)")
+    if args.draft is not None and args.drafter not in NEEDS_DRAFT_MODEL:
+        with_draft = " or ".join(n for n in DRAFTER_NAMES if n in NEEDS_DRAFT_MODEL)
+        raise InvalidOptionError(f"--draft is used only with --drafter {with_draft}, "
+                                 f"not {args.drafter!r}")
+    PromptLookupSpeculator(ngram_size=args.ngram_size, max_draft_len=args.max_draft_len)
+    resolve_providers(providers_arg(args.providers))  # names not offered here fail now
+    if args.prompt_file is None:
+        return args.prompt
+    try:
+        return Path(args.prompt_file).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidPromptError(f"--prompt-file {args.prompt_file!r} is not UTF-8 text ({e})") \
+            from None
+    except OSError as e:
+        raise OrtspecError(f"cannot read --prompt-file {args.prompt_file!r}: "
+                           f"{e.strerror or e}") from None
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ..decoding.options import SpeculativeOptions
+    from ..load import load_model
+    from ..model import DrafterSpec
+
+    prompt = _check_generate_args(args)
+    if args.recalibrate and args.fixed_draft_len:
+        raise InvalidOptionError("--recalibrate measures the cost model's curve; it has no use "
+                                 "with --fixed-draft-len")
+    options = SpeculativeOptions(
+        args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        seed=args.seed, max_draft_len=args.max_draft_len,
+    )
+    needs_draft = args.drafter in NEEDS_DRAFT_MODEL
+    model = load_model(model_arg(args.model), providers=providers_arg(args.providers),
+                       threads=args.threads, draft=(args.draft or True) if needs_draft else None)
+    # made on the request's slot, whose draft decoder runs on the slot's target KV buffers
+    drafter = DrafterSpec(args.drafter, ngram_size=args.ngram_size, max_draft_len=args.max_draft_len)
+    policy = None if args.fixed_draft_len else "auto"
+    if args.recalibrate:
+        model.draft_length_policy(refresh=True)
+    stream = model.stream(prompt, drafter=drafter, options=options, chat=args.chat, draft_length=policy)
+    for piece in stream:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    r = stream.result
+    assert r is not None
+    c = r.counters
+    tps = r.num_tokens / c.total_seconds if c.total_seconds > 0 else 0.0
+    inside = c.ort_seconds + c.draft_seconds  # the target's runs, and the drafter's (a draft model's)
+    outside = 1 - inside / c.total_seconds if c.total_seconds > 0 else 0.0
+    print(
+        f"[{r.num_tokens} tokens, {tps:.1f} tok/s, finish={r.finish_reason}, "
+        f"{c.mean_tokens_per_call:.2f} tokens/call, acceptance {c.acceptance_rate:.1%} "
+        f"({c.accepted}/{c.drafted}), {c.target_calls} target calls, "
+        f"{outside:.1%} of wall time outside the target's ORT runs and the drafter]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = UserErrorParser(prog="ortspec", description="Lossless speculative decoding on ONNX Runtime")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("export", help="checkpoint -> ONNX model directory (run `ortspec export -h`)", add_help=False)
+
+    g = sub.add_parser("generate", help="decode a prompt, streaming the text")
+    add_model_options(g)
+    g.add_argument("--prompt")
+    g.add_argument("--prompt-file")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    _add_sampling(g)
+    g.add_argument("--drafter", default="prompt-lookup", choices=DRAFTER_NAMES)
+    g.add_argument("--draft", help="draft model directory (default: the one the manifest lists)")
+    g.add_argument("--ngram-size", type=int, default=3)
+    g.add_argument("--max-draft-len", type=int, default=8)
+    g.add_argument("--fixed-draft-len", action="store_true",
+                   help="always draft --max-draft-len tokens (no cost model)")
+    g.add_argument("--recalibrate", action="store_true",
+                   help="measure the cost model's cost curve again (a few seconds) and update its cache")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="latency benchmark on Spec-Bench (run `ortspec bench -h`)", add_help=False)
+    c = sub.add_parser("check", help="check an export and provider for losslessness", add_help=False)
+    sub.add_parser("serve", help="OpenAI-compatible HTTP server (run `ortspec serve -h`)",
+                   add_help=False)
+    del b, c
+    return ap
+
+
+SERVE_PACKAGES = {"fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic", "anyio"}
+
+
+def _serve(argv: list[str]) -> int:
+    try:
+        from ..serve.cli import main as serve_main
+    except ImportError as e:
+        if (e.name or "").partition(".")[0] not in SERVE_PACKAGES:
+            raise
+        raise OrtspecError(
+            f"`ortspec serve` needs the serve extra: pip install 'ortspec[serve]' ({e})"
+        ) from None
+    return serve_main(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "export":
+            try:
+                from ortspec.export.cli import main as export_main
+            except ImportError as e:
+                raise OrtspecError(
+                    f"`ortspec export` needs the export extra: pip install 'ortspec[export]' ({e})"
+                ) from None
+            return export_main(argv[1:])
+        if argv and argv[0] == "bench":
+            from ortspec.runtime.bench.cli import main as bench_main
+
+            return bench_main(argv[1:])
+        if argv and argv[0] == "serve":
+            return _serve(argv[1:])
+        if argv and argv[0] == "check":
+            from .check import main as check_main
+
+            return check_main(argv[1:])
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except OrtspecError as e:
+        print(f"ortspec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

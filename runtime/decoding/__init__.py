@@ -1,0 +1,2 @@
+"""The decoding loop: options and results, the Decoder and Drafter protocols, sampling and
+the acceptance rule, counters, token history."""

@@ -1,0 +1,144 @@
+"""The interfaces the decode loop is written against: `Decoder`, `Drafter`, `DraftLengthPolicy`.
+
+The loop calls exactly what these declare, nothing it has to discover. Optional behaviour has a
+documented no-op default in a small base class (`DecoderBase`, `DrafterBase`), so a new drafter
+needs only `propose`:
+
+    class RepeatLast(DrafterBase):
+        def propose(self, history, max_tokens):
+            return DraftBlock.points([history[-1]] * min(2, max_tokens), source="repeat")
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .options import SpeculativeOptions
+    from .sampling import DraftBlock
+
+FALLBACK_PREFILL_CHUNK = 64  # tokens per call when a decoder states no max_verify_len
+
+
+@runtime_checkable
+class Decoder(Protocol):
+    """A target (or draft) model with a KV cache of fixed capacity.
+
+    The cache holds the tokens fed so far (`length` of them). `forward_batch` appends a block
+    in one call and returns the logits after each of its tokens; `truncate` rolls the cache back
+    to a shorter length in O(1). `max_verify_len` is the longest block one call verifies
+    efficiently (None: no limit); `prefill` feeds a prompt without returning every row's logits;
+    `ort_seconds` counts the time spent inside the model runtime (0 for a NumPy model).
+    """
+
+    vocab_size: int
+    capacity: int  # most tokens the KV buffers hold
+    max_verify_len: int | None
+    ort_seconds: float
+
+    @property
+    def length(self) -> int: ...  # tokens currently in the cache
+
+    def reset(self) -> None: ...
+
+    def forward_token(self, token: int) -> np.ndarray: ...  # [vocab] logits
+
+    def forward_batch(self, tokens: Sequence[int]) -> np.ndarray: ...  # [n, vocab] logits
+
+    def prefill(self, tokens: Sequence[int]) -> np.ndarray: ...  # [vocab] logits after the last
+
+    def truncate(self, length: int) -> None: ...
+
+
+class DecoderBase:
+    """Defaults for a `Decoder`: no block limit, no runtime time, and a `prefill` that feeds
+    the tokens through `forward_batch` in chunks, so a long prompt never materialises
+    [n, vocab] logits. A subclass provides the rest of the protocol."""
+
+    max_verify_len: int | None = None
+    ort_seconds: float = 0.0
+
+    def prefill(self, tokens: Sequence[int]) -> np.ndarray:  # [vocab]
+        chunk = self.max_verify_len or FALLBACK_PREFILL_CHUNK
+        return prefill_in_chunks(self, tokens, chunk)  # type: ignore[arg-type]
+
+
+def prefill_in_chunks(decoder: Decoder, tokens: Sequence[int], chunk: int) -> np.ndarray:
+    """Feed `tokens` (non-empty) through `forward_batch`, `chunk` at a time; the last row's
+    logits, [vocab]. The one chunked prefill every decoder and measurement uses."""
+    tokens = list(tokens)
+    last = None
+    for lo in range(0, len(tokens), chunk):
+        last = decoder.forward_batch(tokens[lo:lo + chunk])[-1]
+    assert last is not None, "prefill of an empty sequence"
+    return last
+
+
+class DraftLengthPolicy(Protocol):
+    """How many drafted tokens a verify call takes, learned from what earlier calls showed.
+
+    Per request the decode loop calls `begin(options)` once, then per step `choose(block)`
+    after drafting, `observe_cost(n_tokens, seconds)` with the wall time of the target call,
+    and `observe(...)` with its outcome. A drafter that pays per drafted token asks `limit`
+    before drafting; a composite drafter asks `rate` which of its drafters to run (the tokens
+    per second the best block of a key is expected to emit, `paid` when drafting costs a step
+    per token). One policy object serves one request at a time; `Model` gives each request
+    its own, sharing only the guarded cross-request estimates.
+    """
+
+    def begin(self, options: "SpeculativeOptions") -> None: ...
+
+    def limit(self, k_max: int, *, key: tuple[str, int], prior: float | None) -> int: ...
+
+    def rate(self, k_max: int, *, key: tuple[str, int], prior: float | None, paid: bool) -> float: ...
+
+    def choose(self, block: "DraftBlock") -> int: ...
+
+    def observe(self, proposed: "DraftBlock", n_verified: int, n_accepted: int, first_token: int,
+                *, first_accept_prob: float | None = None) -> None: ...
+
+    def observe_cost(self, n_tokens: int, seconds: float) -> None: ...
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Proposes up to `max_tokens` tokens to follow `history` (prompt + tokens emitted so far).
+
+    Returns `DraftBlock.empty()` when it has nothing worth verifying. Each drafted token comes
+    with the distribution it was drawn from (`DraftDist`), which the verifier needs to stay
+    lossless; a model-free drafter proposes point masses. A drafter must not modify `history`.
+
+    `begin(options, draft_length)` is called when a request starts, with the request's
+    `SpeculativeOptions` (to reset state, follow its temperature, seed its own random stream)
+    and the request's draft-length policy (None when there is none), which a drafter that pays
+    per drafted token asks through `limit`. `DrafterBase.begin` does nothing.
+
+    `observe_target(start, logits)` is called after every target call (a verify or a plain
+    step), before the next `propose`, with the target's logits for the positions that call
+    emitted: `logits` is [n, vocab] (n >= 1), row i the target's logits for history position
+    `start + i`, computed from `history[:start + i]`; `start + n == len(history)`. The token now
+    at that position has the distribution warp(logits[i]) under the request's temperature,
+    top_k and top_p (those `begin` was given): a drafter may keep what it needs of it as the q
+    of later drafts. Rows for drafts after a rejection are not passed (they were computed from
+    tokens that were discarded), nor the prompt's. The array is only valid during the call:
+    copy what is kept. `DrafterBase.observe_target` ignores it.
+    """
+
+    def begin(self, options: "SpeculativeOptions", draft_length: DraftLengthPolicy | None) -> None: ...
+
+    def propose(self, history: Sequence[int], max_tokens: int) -> "DraftBlock": ...
+
+    def observe_target(self, start: int, logits: np.ndarray) -> None: ...  # logits: [n, vocab]
+
+
+class DrafterBase:
+    """A drafter keeping no per-request state and using no target rows: `begin` and
+    `observe_target` are no-ops."""
+
+    def begin(self, options: "SpeculativeOptions", draft_length: DraftLengthPolicy | None) -> None:
+        """Nothing to reset."""
+
+    def observe_target(self, start: int, logits: np.ndarray) -> None:  # logits: [n, vocab]
+        """Nothing to keep."""

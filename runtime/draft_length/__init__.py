@@ -1,0 +1,1 @@
+"""The draft-length policy and the cost curves it prices blocks with."""

@@ -1,0 +1,278 @@
+"""The measured cost of a target call by block length, and its cache.
+
+`CostCurve.measure` times calls of 1..max_len tokens on a decoder; `calibrated_cost_curve`
+reads it from `cache_root()/calibration/` or measures and stores it, keyed by what changes it:
+the model's graph, the provider, the machine's CPU and the intra-op thread count
+(`CalibrationKey`). The draft-length policy (`draft_length.py`) only consumes the curve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..ort.graph_io import call_width
+from ..ort.machine import cpu_model
+from ..paths import cache_root
+from ..decoding.protocols import Decoder
+
+# 2: cost surfaces have a one-token column (curves re-measured too); 3: a surface's call has one
+# row of `tokens` tokens and the others one each
+CALIBRATION_VERSION = 3
+CALIBRATION_CONTEXT = 256  # tokens in the cache while a curve is measured
+
+
+@dataclasses.dataclass(frozen=True)
+class CostCurve:
+    """seconds[n - 1]: the cost of one target call with n new tokens (n = 1: the step graph)."""
+
+    seconds: tuple[float, ...]
+
+    def cost(self, n: int) -> float:
+        if n <= len(self.seconds):
+            return self.seconds[n - 1]
+        # beyond the measured range: extend linearly from the last two points
+        s = self.seconds
+        slope = s[-1] - s[-2] if len(s) > 1 else s[-1]
+        return s[-1] + slope * (n - len(s))
+
+    def relative(self) -> list[float]:
+        return [x / self.seconds[0] for x in self.seconds]
+
+    def padded_to(self, min_rows: int) -> "CostCurve":
+        """The curve of a decoder whose calls run at least `min_rows` rows
+        (Manifest.min_call_rows): a call of fewer tokens is the same call as one of min_rows,
+        so it costs the same (a step and a one-token verify are then equally priced)."""
+        m = min(min_rows, len(self.seconds))
+        if m <= 1:
+            return self
+        return CostCurve((self.seconds[m - 1],) * m + self.seconds[m:])
+
+    @classmethod
+    def measure(cls, decoder: Decoder, *, max_len: int, context: int = CALIBRATION_CONTEXT,
+                repeats: int = 7, seed: int = 0) -> "CostCurve":
+        """Time calls of 1..max_len tokens at a context of `context` tokens, interleaved so the
+        machine's drift hits every length alike; median per length, made non-decreasing."""
+        rng = np.random.default_rng(seed)
+        context = max(1, min(context, decoder.capacity - max_len))
+        prompt = rng.integers(0, decoder.vocab_size, size=context).tolist()
+        decoder.reset()
+        decoder.prefill(prompt)
+        times: list[list[float]] = [[] for _ in range(max_len)]
+        block = rng.integers(0, decoder.vocab_size, size=max_len).tolist()
+        for rep in range(repeats + 1):
+            order = range(1, max_len + 1) if rep % 2 else range(max_len, 0, -1)
+            for n in order:
+                decoder.truncate(context)
+                t0 = time.perf_counter()
+                if n == 1:
+                    decoder.forward_token(block[0])
+                else:
+                    decoder.forward_batch(block[:n])
+                if rep:  # the first round warms up
+                    times[n - 1].append(time.perf_counter() - t0)
+        decoder.reset()
+        med = np.maximum.accumulate([float(np.median(t)) for t in times])
+        return cls(tuple(float(x) for x in med))
+
+
+def step_cost_ratio(a: Decoder, b: Decoder, *, context: int = 128, repeats: int = 12,
+                    seed: int = 0) -> float:
+    """Median over interleaved pairs of (one step of decoder a) / (one step of decoder b), at a
+    context of `context` tokens (fewer where a cache holds fewer). The two may share KV
+    buffers (a draft on its target's): each step is timed right after the other's, from the
+    same cache length, and writes only past it."""
+    rng = np.random.default_rng(seed)
+    context = max(1, min(context, a.capacity - 1, b.capacity - 1))
+    prompt = rng.integers(0, min(a.vocab_size, b.vocab_size), size=context).tolist()
+    a.reset()
+    b.reset()
+    for d in (a, b):  # a first: a draft on b's buffers writes nowhere below b's length
+        d.prefill(prompt)
+    ratios = []
+    for rep in range(repeats + 1):
+        t = []
+        for d in (a, b) if rep % 2 else (b, a):
+            a.truncate(context)  # both: a draft on b's buffers may not write below b's length
+            b.truncate(context)
+            t0 = time.perf_counter()
+            d.forward_token(prompt[rep % context])
+            t.append(time.perf_counter() - t0)
+        if rep:  # the first pair warms up
+            ratios.append(t[0] / t[1] if rep % 2 else t[1] / t[0])
+    a.reset()
+    b.reset()
+    return float(np.median(ratios))
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationKey:
+    """What a cost curve depends on, besides the code: the model's graph (its directory name
+    and checksum), the provider, the machine and the intra-op threads (0: onnxruntime's
+    default)."""
+
+    model_dir: str
+    graph_digest: str = ""
+    providers: tuple[str, ...] = ()
+    threads: int = 0
+    min_rows: int = 1  # Manifest.min_call_rows
+
+    def file_name(self) -> str:
+        name = Path(self.model_dir).resolve().name
+        model = f"{name}-{self.graph_digest[:16]}" if self.graph_digest else name
+        suffix = f"-{self.threads}threads" if self.threads else ""
+        return f"{model}-{machine_key(self.providers)}{suffix}.json"
+
+
+def machine_key(providers: Sequence[str]) -> str:
+    key = f"{providers[0] if providers else 'unknown'}-{cpu_model()}-{os.cpu_count()}cpu"
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in key)
+
+
+def calibrated_cost_curve(decoder: Decoder, key: CalibrationKey | str | os.PathLike, *,
+                          refresh: bool = False) -> CostCurve:
+    """The decoder's cost curve over 1..decoder.max_verify_len tokens (16 if it states none),
+    cached under `paths.cache_root()/calibration/` by `key` (a model directory alone is a key too);
+    measured (a few seconds) when missing or on `refresh`."""
+    if not isinstance(key, CalibrationKey):
+        key = CalibrationKey(str(key))
+    max_len = decoder.max_verify_len or 16
+    path = cache_root() / "calibration" / key.file_name()
+    if not refresh:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            secs = data["seconds"]
+            if data.get("version") == CALIBRATION_VERSION and len(secs) == max_len and all(
+                isinstance(x, float) and x > 0 for x in secs
+            ):
+                return CostCurve(tuple(secs)).padded_to(key.min_rows)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    curve = CostCurve.measure(decoder, max_len=max_len).padded_to(key.min_rows)
+    _store(path, {"version": CALIBRATION_VERSION, "providers": list(key.providers),
+                  "model": key.model_dir, "seconds": list(curve.seconds),
+                  "relative": curve.relative()})
+    return curve
+
+
+def _store(path: Path, data: dict) -> None:
+    """Write a measurement to the cache atomically; a read-only cache only costs a
+    re-measurement next time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+        tmp.replace(path)
+    except OSError:
+        pass
+
+
+SURFACE_ROWS = (1, 2, 4, 8, 16)  # batch sizes a cost surface is measured at (up to the pool's)
+SURFACE_TOKENS = (1, 2, 4, 8, 16)  # tokens a row (a one-row call of one token runs two)
+
+
+@dataclasses.dataclass(frozen=True)
+class CostSurface:
+    """c(rows, tokens): the measured seconds of one batched call of `rows` rows, one of which
+    appends `tokens` tokens (a pending token and tokens - 1 drafts) and the others one each,
+    on a grid (linear in between, and beyond the grid from its last two points). The call is
+    the runner's: every row's block padded to `tokens`, the graph computing the real tokens
+    only where it packs them (`token_rows`), all of them otherwise. A row's draft-length
+    policy prices its block with `curve(rows)`, the cost of the
+    shared call it will ride in, so speculation stops paying where the measurements say so."""
+
+    rows: tuple[int, ...]
+    tokens: tuple[int, ...]
+    seconds: tuple[tuple[float, ...], ...]  # [len(rows)][len(tokens)]
+
+    def cost(self, rows: int, tokens: int) -> float:
+        return _at(self.tokens, self._line(rows), tokens)
+
+    def curve(self, rows: int, max_len: int) -> CostCurve:
+        """The cost of a call at `rows` rows in which one row appends 1..max_len tokens and the
+        others one each (below the grid's first token count, that count's: `_at` holds the
+        first point to the left)."""
+        line = self._line(rows)
+        return CostCurve(tuple(_at(self.tokens, line, n) for n in range(1, max_len + 1)))
+
+    def _line(self, rows: int) -> list[float]:
+        """The seconds at each grid token count, at `rows` rows."""
+        columns = np.asarray(self.seconds).T  # [tokens][rows]
+        return [_at(self.rows, column, rows) for column in columns]
+
+    @classmethod
+    def measure(cls, backend, *, max_len: int, floors: np.ndarray | None = None,
+                context: int = CALIBRATION_CONTEXT, repeats: int = 3,
+                seed: int = 0) -> "CostSurface":
+        """Time batched calls on `backend` (no other call running) with the rows at `context`
+        tokens, the grid interleaved so the machine's drift hits it alike; median per point,
+        made non-decreasing along both axes. `floors` [max_rows]: lengths of caches in use,
+        which the timed calls write past, never into (a row at its floor + max_len fits)."""
+        rows = tuple(r for r in SURFACE_ROWS if r < backend.max_rows) + (backend.max_rows,)
+        tokens = tuple(t for t in SURFACE_TOKENS if t < max_len) + (max_len,)
+        rows, tokens = tuple(sorted(set(rows))), tuple(sorted(set(tokens)))
+        widest = max(max_len, backend.min_rows)  # a one-row one-token point runs min_rows
+        context = max(1, min(context, backend.capacity - widest))
+        rng = np.random.default_rng(seed)
+        times: dict[tuple[int, int], list[float]] = {(r, t): [] for r in rows for t in tokens}
+        grid = list(times)
+        lengths = np.full(backend.max_rows, context, np.int64)
+        if floors is not None:
+            lengths = np.where(np.maximum(lengths, floors) + widest <= backend.capacity,
+                               np.maximum(lengths, floors), floors)
+        for rep in range(repeats + 1):
+            for r, t in grid if rep % 2 else grid[::-1]:
+                # the call the runner makes (a one-row call of one token runs two)
+                s = call_width(r, t, backend.min_rows)
+                ids = rng.integers(0, backend.vocab_size, size=(r, s))
+                real = np.concatenate([np.arange(t), s * np.arange(1, r)]).astype(np.int64)
+                t0 = time.perf_counter()
+                backend.run(0, r, ids, lengths[:r], take=real, real=real)
+                if rep:  # the first round warms up
+                    times[(r, t)].append(time.perf_counter() - t0)
+        med = np.array([[float(np.median(times[(r, t)])) for t in tokens] for r in rows])
+        med = np.maximum.accumulate(np.maximum.accumulate(med, axis=0), axis=1)
+        return cls(rows, tokens, tuple(tuple(float(x) for x in line) for line in med))
+
+
+def _at(xs: Sequence[int], ys: Sequence[float], x: int) -> float:
+    """ys at x: linear between the grid points xs, ys[0] below them, extended from the last two
+    beyond them."""
+    return float(np.interp(x, xs, ys)) if x <= xs[-1] else _extend(xs, ys, x)
+
+
+def _extend(xs: Sequence[int], ys: Sequence[float], x: int) -> float:
+    if len(xs) == 1:
+        return float(ys[0]) * x / xs[0]
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return float(ys[-1] + slope * (x - xs[-1]))
+
+
+def calibrated_cost_surface(backend, key: CalibrationKey, *, max_len: int,
+                            floors: np.ndarray | None = None, refresh: bool = False) -> CostSurface:
+    """`CostSurface.measure` on `backend`, cached beside the cost curves (file name
+    `<curve's>-batch<max_rows>.json`)."""
+    path = cache_root() / "calibration" / key.file_name().replace(
+        ".json", f"-batch{backend.max_rows}.json")
+    if not refresh:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            surface = CostSurface(tuple(data["rows"]), tuple(data["tokens"]),
+                                  tuple(tuple(line) for line in data["seconds"]))
+            if data.get("version") == CALIBRATION_VERSION and surface.tokens[-1] == max_len \
+                    and surface.rows[-1] == backend.max_rows and all(
+                    x > 0 for line in surface.seconds for x in line):
+                return surface
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    surface = CostSurface.measure(backend, max_len=max_len, floors=floors)
+    _store(path, {"version": CALIBRATION_VERSION, "model": key.model_dir,
+                  "rows": list(surface.rows), "tokens": list(surface.tokens),
+                  "seconds": [list(line) for line in surface.seconds]})
+    return surface

@@ -1,0 +1,2 @@
+"""ONNX Runtime: the manifest, graph IO, providers, sessions, the ORT decoder and the row
+invariance probe."""
