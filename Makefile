@@ -28,7 +28,7 @@ demo: $(STAMP)
 	$(BIN)/python scripts/demo.py $(DEMO_ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=15
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -m "not slow"

@@ -39,7 +39,7 @@ def source_checkpoint(arg: str | None, work: Path) -> str:
         return str(sources.materialize(default, progress=False).path)  # cached: no network needed
     print("default model not cached under models/cache; using a random Llama with SmolLM2-135M's shapes")
     sys.path.insert(0, str(REPO / "tests"))
-    from helpers_export import make_tiny_llama
+    from helpers.export import make_tiny_llama
 
     out = work / "smollm2-shaped-random"
     if not (out / "config.json").exists():

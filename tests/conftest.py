@@ -25,3 +25,35 @@ def window_fp32():
     from ortspec.export import ensure_default_model
 
     return ensure_default_model(attention="window", progress=False)
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    """The default model's fp32 export (exported on first use, cached under models/)."""
+    export = pytest.importorskip("ortspec.export", reason="the export extra makes the default model")
+    return export.ensure_default_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def int4_model_dir():
+    """The default model's int4 export, its native precision."""
+    export = pytest.importorskip("ortspec.export", reason="the export extra makes the model")
+    return export.ensure_default_model(quant="int4", progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(request, tmp_path_factory):
+    """The module's tiny model directory. A module that sets `TINY_EXPORT = {"seed": ...,
+    "capacity": ..., "max_verify_len": ...}` gets a random tiny Llama (helpers.export) exported
+    with those settings; one that sets `TINY_EXPORT = None` gets the hand-written graph of
+    `helpers.export.write_graph_dir`, which needs no torch."""
+    from helpers.export import make_tiny_llama, write_graph_dir
+
+    spec = getattr(request.module, "TINY_EXPORT")
+    if spec is None:
+        return write_graph_dir(tmp_path_factory.mktemp("tiny") / "model")
+    from ortspec.export import export_model
+
+    spec = dict(spec)
+    src = make_tiny_llama(tmp_path_factory.mktemp("src") / "tiny-llama", seed=spec.pop("seed"))
+    return export_model(src, out=tmp_path_factory.mktemp("out") / "llama", progress=False, **spec)

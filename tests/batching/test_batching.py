@@ -1,0 +1,544 @@
+"""Batched decoding (`ortspec.runtime.batching.runner`): several requests, one model call a step.
+
+On the NumPy reference model (`ReferenceBatchBackend`, one exact decoder a row) the scheduling
+is tested as a user meets it, through `BatchRow` decoders in threads: every row's greedy output
+equals its solo decode whatever it is batched with, rows joining and leaving (and being moved
+to keep the pool contiguous) included; sampled rows follow the target's exact marginals
+(chi-squared over the whole support); a row whose logits turn non-finite fails its request
+only. On the real default model exported with `--attention window` (fp32 and int4): the
+batched graph's rows are bitwise their solo calls, concurrent requests through `Model` give
+their serial outputs, greedy and seeded, plain and speculative; and `ortspec serve` on it
+answers concurrent openai clients with the serial texts, bad requests in between, and reports
+the batch sizes in /metrics.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from ortspec.runtime import (
+    PromptLookupSpeculator,
+    ReferenceConfig,
+    ReferenceDecoder,
+    SpeculativeOptions,
+    plain_decode,
+    speculative_decode_with,
+)
+from ortspec.runtime.batching.backend import ReferenceBatchBackend
+from ortspec.runtime.batching.runner import BatchRunner
+from ortspec.runtime.draft_length.calibration import CostCurve, CostSurface
+from ortspec.runtime.draft_length.policy import AdaptiveDraftLength, BatchCosts
+from ortspec.runtime.errors import NonFiniteLogitsError
+from ortspec.runtime.ort.graph_io import TOKEN_ROWS, call_width, logit_rows_for, token_rows_for
+from ortspec.runtime.decoding.sampling import DraftBlock
+from helpers.stats import assert_matches_marginals
+from helpers.decode import SMALL, exact_marginals
+from helpers.threads import in_threads
+
+GREEDY = ReferenceConfig(vocab_size=24, d_model=32, n_layers=2, n_heads=4, capacity=160,
+                         logit_scale=4.0, seed=1)
+
+
+def _prompts(n: int, seed: int = 3) -> list[list[int]]:
+    """Prompts with repeats in them (so prompt lookup drafts), of different lengths."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        motif = rng.integers(0, GREEDY.vocab_size, size=5).tolist()
+        noise = rng.integers(0, GREEDY.vocab_size, size=3 + 4 * i % 11).tolist()
+        out.append(noise + motif + noise[:2] + motif)
+    return out
+
+
+# -- the scheduling, on the reference model -------------------------------------------------------
+
+
+@pytest.mark.parametrize("min_rows", [1, 2])
+def test_batched_rows_decode_exactly_as_alone_greedy(min_rows):
+    """Six requests on four rows (two wait for a row, taking the rows others gave back), plain
+    and speculative: every output equals its solo decode, and the calls did carry several rows."""
+    backend = ReferenceBatchBackend(GREEDY, max_rows=4, max_call=8, min_rows=min_rows)
+    runner = BatchRunner(backend, max_verify_len=8)
+    prompts = _prompts(6)
+    options = SpeculativeOptions(40)
+    solo = ReferenceDecoder(GREEDY)
+    expected = [plain_decode(solo, p, options).tokens for p in prompts]
+    pool = threading.Semaphore(4)
+
+    def decode(job):
+        prompt, speculative = job
+        with pool:
+            row = runner.row()
+            try:
+                if speculative:
+                    drafter = PromptLookupSpeculator(ngram_size=2, max_draft_len=5)
+                    return speculative_decode_with(row, prompt, drafter, options)
+                return plain_decode(row, prompt, options)
+            finally:
+                row.release()
+
+    for speculative in (False, True):
+        backend.calls.clear()
+        results = in_threads(decode, [(p, speculative) for p in prompts])
+        assert [r.tokens for r in results] == expected
+        assert max(rows for rows, _ in backend.calls) >= 2
+        if speculative:
+            assert sum(r.counters.accepted for r in results) > 0
+            assert max(s for _, s in backend.calls) > 2
+        # min_rows counts a call's tokens in all: one row alone pads its step to two tokens,
+        # several rows step one token each (the window graph pads their attention itself)
+        assert all(rows * s >= min_rows for rows, s in backend.calls)
+        if not speculative:
+            assert any(rows >= 2 and s == 1 for rows, s in backend.calls)
+    runner.close()
+
+
+def test_a_row_leaving_moves_the_last_row_into_its_place():
+    """A short request ends while longer ones run: the pool stays contiguous (the last row is
+    moved into the hole) and the moved request goes on exactly."""
+    backend = ReferenceBatchBackend(GREEDY, max_rows=3, max_call=8)
+    moves: list[tuple[int, int]] = []
+    move = backend.move
+    backend.move = lambda src, dst, length: (moves.append((src, dst)), move(src, dst, length))
+    runner = BatchRunner(backend, max_verify_len=8)
+    prompts = _prompts(3, seed=5)
+    budgets = [6, 50, 50]
+    solo = ReferenceDecoder(GREEDY)
+    expected = [plain_decode(solo, p, SpeculativeOptions(n)).tokens
+                for p, n in zip(prompts, budgets, strict=True)]
+    rows = [runner.row() for _ in prompts]
+    for row in rows:  # take rows 0, 1, 2 in order
+        row.prefill([0])
+        row.reset()
+
+    def decode(i):
+        try:
+            return plain_decode(rows[i], prompts[i], SpeculativeOptions(budgets[i])).tokens
+        finally:
+            rows[i].release()
+
+    assert in_threads(decode, [0, 1, 2]) == expected
+    assert (2, 0) in moves or (1, 0) in moves
+    runner.close()
+
+
+def test_a_row_with_non_finite_logits_fails_only_its_request():
+    poison = 7
+
+    class Poisoned(ReferenceBatchBackend):
+        def run(self, lo, hi, ids, lengths, *, take=None, real=None):
+            out = super().run(lo, hi, ids, lengths)  # [B * S, vocab]
+            out[ids.reshape(-1) == poison] = np.nan
+            return out if take is None else out[take]
+
+    backend = Poisoned(GREEDY, max_rows=4, max_call=8)
+    runner = BatchRunner(backend, max_verify_len=8)
+    prompts = [[p for p in prompt if p != poison] for prompt in _prompts(4)]
+    bad = prompts[1][:4] + [poison] + prompts[1][4:]
+    solo = ReferenceDecoder(GREEDY)
+    options = SpeculativeOptions(30)
+
+    def decode(prompt):
+        row = runner.row()
+        try:
+            return plain_decode(row, prompt, options).tokens
+        except NonFiniteLogitsError as e:
+            return e
+        finally:
+            row.release()
+
+    jobs = [prompts[0], bad, prompts[2], prompts[3]]
+    results = in_threads(decode, jobs)
+    assert isinstance(results[1], NonFiniteLogitsError)
+    for i in (0, 2, 3):
+        expected = plain_decode(solo, jobs[i], options).tokens
+        if poison in expected:  # a row that itself produced the poison token fails too
+            assert isinstance(results[i], NonFiniteLogitsError)
+        else:
+            assert results[i] == expected
+    runner.close()
+
+
+@pytest.mark.parametrize("case", ["t1.0", "t0.7-topk3"])
+def test_sampled_batched_rows_match_the_exact_marginals(case):
+    """6,000 sampled decodes of 4 tokens, four at a time in one batch, each with its own seed
+    and prompt lookup: per-position marginals and the joint of the first two tokens against
+    the exact ones of plain sampling (chi-squared)."""
+    kw = {"t1.0": dict(temperature=1.0), "t0.7-topk3": dict(temperature=0.7, top_k=3)}[case]
+    prompt, n_new, n_runs, width = [1, 3, 1, 3], 4, 6000, 4
+    marginals, joint2 = exact_marginals(ReferenceDecoder(SMALL), prompt, n_new, **kw)
+    backend = ReferenceBatchBackend(SMALL, max_rows=width, max_call=4)
+    runner = BatchRunner(backend, max_verify_len=4)
+    vocab = SMALL.vocab_size
+    counts = np.zeros((n_new, vocab), np.int64)
+    joint = np.zeros(vocab * vocab, np.int64)
+    totals = {"accepted": 0, "drafted": 0}
+    lock = threading.Lock()
+
+    def worker(k: int) -> None:
+        row = runner.row()
+        drafter = PromptLookupSpeculator(ngram_size=1, max_draft_len=3)
+        for seed in range(k, n_runs, width):
+            res = speculative_decode_with(row, prompt, drafter,
+                                          SpeculativeOptions(n_new, seed=seed, **kw))
+            with lock:
+                for i, t in enumerate(res.tokens):
+                    counts[i, t] += 1
+                joint[res.tokens[0] * vocab + res.tokens[1]] += 1
+                totals["accepted"] += res.counters.accepted
+                totals["drafted"] += res.counters.drafted
+        row.release()
+
+    in_threads(worker, list(range(width)))
+    assert counts.sum() == n_runs * n_new
+    assert 0 < totals["accepted"] < totals["drafted"]
+    assert max(rows for rows, _ in backend.calls) == width
+    assert_matches_marginals(counts, joint, marginals, joint2, what=f"batched {case}")
+    runner.close()
+
+
+def test_rows_decoding_together_stay_in_one_call():
+    """Two requests decoding side by side share (nearly) every call: a row whose job arrived
+    while the other row's call ran waits for that row instead of running alone, so the two do
+    not fall into alternating single-row calls. (Calls take 20 ms here, like a real model's.)"""
+    import time
+
+    class Slow(ReferenceBatchBackend):
+        def run(self, lo, hi, ids, lengths, *, take=None, real=None):
+            time.sleep(0.02)
+            return super().run(lo, hi, ids, lengths, take=take)
+
+    backend = Slow(GREEDY, max_rows=2, max_call=8)
+    runner = BatchRunner(backend, max_verify_len=8)
+    prompts = [_prompts(2)[0], _prompts(2)[0][::-1]]
+
+    def decode(prompt):
+        row = runner.row()
+        try:
+            return plain_decode(row, prompt, SpeculativeOptions(40)).tokens
+        finally:
+            row.release()
+
+    in_threads(decode, prompts)
+    rows, _, _ = runner.stats.snapshot()
+    assert rows.get(2, 0) >= 0.8 * sum(rows.values()), rows
+    runner.close()
+
+
+def test_the_runner_thread_ends_when_nothing_references_the_runner():
+    import gc
+
+    runner = BatchRunner(ReferenceBatchBackend(GREEDY, max_rows=2), max_verify_len=4)
+    row = runner.row()
+    plain_decode(row, [1, 2, 3], SpeculativeOptions(3))
+    row.release()
+    thread = runner._thread
+    assert thread is not None and thread.is_alive()
+    del runner, row
+    gc.collect()
+    thread.join(5)  # it checks once a second
+    assert not thread.is_alive()
+
+
+def test_the_padding_rules_on_worked_cases():
+    """call_width: only a one-row call of one token pads (to min_rows tokens in all);
+    logit_rows_for: a lone wanted row is repeated up to min_rows, more rows pass as they are."""
+    assert call_width(1, 1, 2) == 2 and call_width(2, 1, 2) == 1 and call_width(8, 1, 2) == 1
+    assert call_width(1, 3, 2) == 3 and call_width(3, 1, 1) == 1 and call_width(1, 1, 1) == 1
+    assert logit_rows_for(np.array([4]), min_rows=2).tolist() == [4, 4]
+    assert logit_rows_for(np.array([5, 0]), min_rows=2).tolist() == [5, 0]
+    assert logit_rows_for(np.array([7]), min_rows=1).tolist() == [7]
+
+
+# -- the cost surface and the per-row policy ------------------------------------------------------
+
+
+def test_cost_surface_interpolates_and_prices_a_row_by_the_batch():
+    surface = CostSurface(rows=(1, 4), tokens=(2, 8),
+                          seconds=((1.0, 1.3), (1.6, 4.0)))
+    assert surface.cost(1, 2) == 1.0 and surface.cost(4, 8) == 4.0
+    assert surface.cost(2, 2) == pytest.approx(1.2)
+    assert surface.cost(4, 5) == pytest.approx(2.8)
+    assert surface.cost(8, 2) == pytest.approx(2.4)  # beyond the grid: the last slope
+    curve = surface.curve(1, 8)
+    assert curve.seconds[0] == curve.seconds[1] == 1.0  # one token runs as two
+    rows = [1]
+    policy = AdaptiveDraftLength(CostCurve((1.0,))).for_batch_row(
+        BatchCosts(surface, lambda: rows[0]))
+    block = DraftBlock.points([1, 2, 3, 4, 5, 6, 7], source="test", match_len=3)
+    for i in range(40):  # runs of 0, 1, 2, 3 and 7 accepted drafts: E(k) grows ever slower
+        policy.observe(block, 7, (0, 1, 2, 3, 7)[i % 5], 1)
+    alone = policy.choose(block)
+    rows[0] = 4
+    batched = policy.choose(block)
+    assert 1 <= batched < alone  # a wide call makes each extra token dear
+    # the call's other rows emit a token each whatever this row drafts: a draft that widens
+    # the call is weighed against all of the call's tokens, not this row's alone
+    assert BatchCosts(surface, lambda: 4).others() == 3
+    solo_view = AdaptiveDraftLength(CostCurve(surface.curve(4, 8).seconds))
+    solo_view.acceptance = policy.acceptance
+    assert batched <= solo_view.choose(block)
+
+
+def test_a_batched_draft_is_priced_at_the_rows_that_share_its_call():
+    """A draft model whose steps are batched too costs its call at the rows decoding now:
+    cheap alone, it pays there; as dear as most of the target's call at 4 rows, it does not
+    (k = 0, a plain step), where the solo price would still have drafted."""
+    target = CostSurface(rows=(1, 4), tokens=(1, 2, 8), seconds=((1.0, 1.0, 1.5), (1.5, 1.6, 3.0)))
+    draft = CostSurface(rows=(1, 4), tokens=(1,), seconds=((0.1,), (1.1,)))
+    rows = [1]
+    shared = AdaptiveDraftLength(CostCurve((1.0, 1.0)), draft_step_seconds=0.1)
+    priced = shared.for_batch_row(BatchCosts(target, lambda: rows[0], draft=draft))
+    solo_priced = shared.for_batch_row(BatchCosts(target, lambda: rows[0]))
+    block = DraftBlock.points([1, 2, 3, 4], source="draft_model", match_len=0)
+    for _ in range(40):  # 80% of the drafts accepted
+        priced.observe(block, 4, 3, 1)
+        priced.observe(block, 4, 4, 1)
+    key = ("draft_model", 0)
+    assert priced.limit(4, key=key, prior=None) >= 1
+    assert BatchCosts(target, lambda: 4, draft=draft).draft_step(0.1) == 1.1
+    assert BatchCosts(target, lambda: 4).draft_step(0.1) == 0.1  # a draft of each row's own
+    rows[0] = 4
+    assert priced.limit(4, key=key, prior=None) == 0
+    assert solo_priced.limit(4, key=key, prior=None) >= 1
+    assert priced.rate(4, key=key, prior=None, paid=True) < \
+        solo_priced.rate(4, key=key, prior=None, paid=True)
+
+
+def test_token_rows_give_the_matmuls_two_rows_or_more():
+    assert list(token_rows_for(np.array([0]), grid=2, min_rows=2)) == [0, 1]
+    assert list(token_rows_for(np.array([3]), grid=4, min_rows=2)) == [0, 3]
+    assert list(token_rows_for(np.array([0, 5]), grid=8, min_rows=2)) == [0, 5]
+    assert list(token_rows_for(np.array([2]), grid=4, min_rows=1)) == [2]
+
+
+def test_the_runner_names_the_real_tokens_of_each_call():
+    """Prefill chunks and blocks pass their own positions as `real` (what a packing graph
+    computes); a lone token's padding is not among them."""
+    backend = ReferenceBatchBackend(GREEDY, max_rows=2, max_call=8, min_rows=2)
+    runner = BatchRunner(backend, max_verify_len=8)
+    row = runner.row()
+    row.prefill(list(range(1, 6)))
+    row.forward_batch([7, 8, 9])
+    row.forward_token(10)
+    row.release()
+    runner.close()
+    assert backend.calls == [(1, 5), (1, 3), (1, 2)]
+    assert [list(r) for r in backend.real] == [[0, 1, 2, 3, 4], [0, 1, 2], [0]]
+
+
+def test_cost_surface_measured_on_a_backend_is_monotone_and_writes_past_the_floors():
+    backend = ReferenceBatchBackend(GREEDY, max_rows=3, max_call=8, min_rows=2)
+    for dec in backend.rows:
+        dec.forward_batch(list(range(20)))
+    floors = np.array([20, 20, 20])
+    before = [dec.forward_batch([1])[0].copy() for dec in backend.rows]
+    for dec in backend.rows:
+        dec.truncate(20)
+    backend.calls.clear()
+    surface = CostSurface.measure(backend, max_len=8, floors=floors, context=10, repeats=1)
+    assert surface.rows == (1, 2, 3) and surface.tokens == (1, 2, 4, 8)
+    # each point timed as the runner calls it: one row's one-token call runs two tokens
+    assert (1, 1) not in backend.calls and (1, 2) in backend.calls and (2, 1) in backend.calls
+    # ... and as a drafting row meets the others: one row's block, the others one token each
+    for (r, s), real in zip(backend.calls, backend.real, strict=True):
+        assert real is not None
+        rows, cols = np.divmod(real, s)
+        assert list(rows[rows > 0]) == list(range(1, r)) and not cols[rows > 0].any()
+        assert list(cols[rows == 0]) == list(range((rows == 0).sum()))
+    assert {len(real) - (r - 1) for (r, _), real in zip(backend.calls, backend.real)} \
+        == {1, 2, 4, 8}
+    grid = np.asarray(surface.seconds)
+    assert (np.diff(grid, axis=0) >= 0).all() and (np.diff(grid, axis=1) >= 0).all()
+    for dec, logits in zip(backend.rows, before, strict=True):  # the first 20 tokens intact
+        dec.truncate(20)
+        np.testing.assert_array_equal(dec.forward_batch([1])[0], logits)
+
+
+# -- the real default model, exported with --attention window ---------------------------------
+
+
+@pytest.fixture(scope="module", params=["fp32", "int4"])
+def window_dir(request):
+    from ortspec.export import ensure_default_model
+
+    quant = "int4" if request.param == "int4" else None
+    return ensure_default_model(quant=quant, attention="window", progress=False)
+
+
+@pytest.mark.slow
+def test_the_window_export_takes_batches_and_its_rows_are_bitwise_their_solo_calls(window_dir):
+    from ortspec.runtime import load_model
+    from ortspec.runtime.batching.backend import OrtBatchBackend
+    from ortspec.runtime.ort.manifest import read_manifest
+    from ortspec.runtime.ort.decoder import OrtDecoder
+
+    m = read_manifest(window_dir)
+    assert m.max_batch == 16 and m.min_call_rows == 2
+    model = load_model(window_dir, max_concurrent=1, batch=False)
+    assert TOKEN_ROWS in {i.name for i in model.sessions.by_entry["verify"].get_inputs()}
+    backend = OrtBatchBackend(model.sessions, max_rows=4)
+    solo = OrtDecoder.on(model.sessions)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 49152, size=n) for n in (5, 40, 17, 90)]
+    blocks = [rng.integers(0, 49152, size=k) for k in (1, 4, 2, 7)]
+    expected = []
+    for p, b in zip(prompts, blocks, strict=True):
+        solo.reset()
+        solo.prefill(p)
+        expected.append(solo.forward_batch(b))
+    for i, p in enumerate(prompts):  # each row prefilled alone, in its own row of the pool
+        backend.run(i, i + 1, p[None, :], np.array([0]))
+    for lo, hi in ((0, 4), (1, 3), (2, 3), (0, 1)):  # batched with others, and alone
+        s = max(2, max(blocks[i].size for i in range(lo, hi)))
+        ids = np.stack([np.concatenate([blocks[i], np.full(s - blocks[i].size, blocks[i][-1])])
+                        for i in range(lo, hi)])
+        lengths = np.array([p.size for p in prompts[lo:hi]])
+        every = backend.run(lo, hi, ids, lengths).reshape(hi - lo, s, -1)  # all positions
+        for r, i in enumerate(range(lo, hi)):
+            np.testing.assert_array_equal(every[r, :blocks[i].size], expected[i])
+        # the rows the runner takes (each block's own positions, no padding), in its order
+        take = np.concatenate([r * s + np.arange(blocks[i].size)
+                               for r, i in reversed(list(enumerate(range(lo, hi))))])
+        taken = backend.run(lo, hi, ids, lengths, take=take)
+        np.testing.assert_array_equal(
+            taken, np.concatenate([expected[i] for i in reversed(range(lo, hi))]))
+        # packed: the MatMuls run on those positions only (token_rows), the same logits
+        packed = backend.run(lo, hi, ids, lengths, take=take, real=np.sort(take))
+        np.testing.assert_array_equal(packed, taken)
+    # several rows' one-token steps run unpadded (S = 1: the attention's MatMuls see each
+    # token's 3 query heads as rows), bitwise the solo step, which runs two tokens
+    steps = rng.integers(0, 49152, size=4)
+    lengths = np.array([p.size for p in prompts])
+    alone = []
+    for p, t in zip(prompts, steps, strict=True):
+        solo.reset()
+        solo.prefill(p)
+        alone.append(solo.forward_token(int(t)))
+    for lo, hi in ((0, 4), (1, 3)):
+        got = backend.run(lo, hi, steps[lo:hi, None], lengths[lo:hi])  # [rows, vocab]
+        np.testing.assert_array_equal(got, np.stack(alone[lo:hi]))
+
+
+@pytest.mark.slow
+def test_concurrent_requests_on_the_batched_model_give_their_serial_outputs(window_dir):
+    """Eight chat requests at once on four rows, plain and prompt lookup, greedy and seeded at
+    temperature 0.8: each equals the same request decoded alone without batching."""
+    from ortspec.runtime import load_model
+
+    solo = load_model(window_dir, max_concurrent=1, batch=False)
+    model = load_model(window_dir, max_concurrent=4)
+    assert model.runner is not None
+    questions = ["Name a fruit.", "What is 3 + 4?", "Say hello in French.", "Name a planet.",
+                 "Repeat: one two three, one two three.", "Write a haiku about rain.",
+                 "List the days of the week.", "What colour is the sky?"]
+    cases = [(q, d, t, s) for q in questions for d in ("none", "prompt-lookup")
+             for (t, s) in ((0.0, None), (0.8, 7))]
+
+    def run(m, case):
+        q, d, t, s = case
+        return m.generate(q, chat=True, drafter=d,
+                          options=SpeculativeOptions(24, temperature=t, seed=s)).tokens
+
+    serial = [run(solo, c) for c in cases]
+    assert in_threads(lambda c: run(model, c), cases) == serial
+    assert max(model.runner.stats.rows) >= 2
+    greedy = {(q, d): tok for (q, d, t, _), tok in zip(cases, serial, strict=True) if t == 0}
+    assert all(greedy[q, "none"] == greedy[q, "prompt-lookup"] for q in questions)
+
+
+@pytest.mark.slow
+def test_a_batched_draft_model_drafts_in_shared_calls_with_every_serial_output():
+    """The fp32 window export's int4 draft (its own flavour: batched too) drafts the
+    concurrent requests' tokens in shared calls of the draft runner. Every greedy output is
+    the plain serial one, and every seeded one (temperature 0.8) the same request's decoded
+    alone on that model: the draft's rows, padded like its target's, are row-invariant too."""
+    from ortspec.export import add_draft, ensure_default_model
+    from ortspec.runtime import load_model
+
+    window_dir = ensure_default_model(attention="window", progress=False)
+    if not (window_dir / "drafts" / "int4").is_dir():
+        add_draft(window_dir, quant="int4", progress=False)
+    solo = load_model(window_dir, max_concurrent=1, batch=False)
+    model = load_model(window_dir, draft=window_dir / "drafts" / "int4", max_concurrent=4)
+    assert model.draft_runner is not None
+    questions = ["Name a fruit.", "Repeat: one two three, one two three.", "What is 3 + 4?",
+                 "List the days of the week.", "Say hello in French.", "Count from 1 to 10."]
+
+    def run(m, q, drafter, temperature=0.0, seed=None):
+        return m.generate(q, chat=True, drafter=drafter, draft_length=None,
+                          options=SpeculativeOptions(24, temperature=temperature,
+                                                     seed=seed)).tokens
+
+    serial = [run(solo, q, "none") for q in questions]
+    assert in_threads(lambda q: run(model, q, "draft-model"), questions) == serial
+    assert max(model.draft_runner.stats.rows) >= 2  # draft steps shared a call
+    # one request at a time on the same model: each row drafts alone in its calls
+    seeded = [run(model, q, "draft-model", 0.8, 5) for q in questions]
+    assert in_threads(lambda q: run(model, q, "draft-model", 0.8, 5), questions) == seeded
+
+
+@pytest.mark.slow
+def test_serve_batches_concurrent_openai_clients_with_their_serial_texts(window_dir):
+    pytest.importorskip("fastapi", reason="the serve extra is not installed")
+    import httpx
+    import openai
+
+    from helpers.serve import Server
+    from ortspec.runtime import load_model
+
+    solo = load_model(window_dir, max_concurrent=1, batch=False)
+    name = window_dir.name
+    questions = ["Name a fruit.", "What is 3 + 4?", "Say hello in French.", "Name a planet.",
+                 "List three colours.", "Count from one to five."]
+    server = Server(window_dir, "--max-concurrent", "4", "--max-queue", "32")
+    try:
+        def ask(i: int):
+            c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
+                              timeout=300)
+            if i % 4 == 3:  # bad input between the good: an OpenAI error, the rest unharmed
+                with pytest.raises(openai.BadRequestError) as e:
+                    c.chat.completions.create(model=name, messages=[{"role": "user",
+                                                                     "content": "hi"}],
+                                              max_tokens=-1)
+                return ("bad", e.value.status_code)
+            q = questions[i % len(questions)]
+            r = c.chat.completions.create(model=name, messages=[{"role": "user", "content": q}],
+                                          max_tokens=16, temperature=0)
+            return (q, r.choices[0].message.content)
+
+        answers = in_threads(ask, list(range(12)))
+        for q, text in answers:
+            if q == "bad":
+                assert text == 400
+            else:
+                assert text == solo.generate(q, chat=True, options=SpeculativeOptions(16)).text
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        assert "ortspec:batch_rows_bucket" in metrics
+        calls = server.metric("ortspec:batch_rows_count")
+        rows = server.metric("ortspec:batch_rows_sum")
+        assert calls > 0 and rows / calls > 1.0  # several requests shared calls
+        # every chat prompt starts with the same system prompt: the later ones copied it
+        hits = server.metric("vllm:prefix_cache_hits_total")
+        assert 20 * 8 <= hits < server.metric("vllm:prefix_cache_queries_total")
+    finally:
+        server.stop()
+
+
+def test_serve_without_a_model_prefers_the_default_models_batched_export(tmp_path, monkeypatch):
+    from ortspec.runtime.cli.args import model_arg
+    from ortspec.runtime.paths import default_model_path
+
+    monkeypatch.setenv("ORTSPEC_MODELS_DIR", str(tmp_path))
+    plain, batched = default_model_path(), default_model_path(batched=True)
+    plain.mkdir(parents=True)
+    (plain / "manifest.json").write_text("{}")
+    assert model_arg(None, prefer_batched=True) == plain  # no batched export: the plain one
+    batched.mkdir(parents=True)
+    (batched / "manifest.json").write_text("{}")
+    assert model_arg(None, prefer_batched=True) == batched
+    assert model_arg(None) == plain  # generate, check, bench: the plain export
+    assert model_arg(str(tmp_path / "x")) == tmp_path / "x"

@@ -1,0 +1,1 @@
+"""Shared test code: tiny models and exports, reference decoders, drafters, statistics, servers, threads."""
