@@ -22,11 +22,13 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from tqdm.auto import tqdm
 
 from ortspec.runtime.ort import manifest as mf
 from ortspec.runtime.errors import ExportError, ManifestError
+from ortspec.runtime.cli.progress import on_terminal, progress_bar
 from ortspec.runtime.validation import check_int
 
 from . import chat
@@ -265,8 +267,8 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     started = time.perf_counter()
     try:
-        with tqdm(total=len(STAGES) + (draft is not None), desc="export", unit="stage",
-                  disable=not progress) as bar:
+        with progress_bar(len(STAGES) + (draft is not None), "export", "stage",
+                          enabled=progress, bar_factory=tqdm) as bar:
             _export_into(tmp, src, capacity=capacity, max_verify_len=max_verify_len, dtype=dtype,
                          opset=opset, attention=attention, progress=progress, bar=bar,
                          started=started, draft=draft,
@@ -297,7 +299,7 @@ def _weight_format(options: GraphOptions, files) -> dict:
 
 
 def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, dtype: str,
-                 opset: int, attention: str, progress: bool, bar: tqdm,
+                 opset: int, attention: str, progress: bool, bar: Any,
                  started: float, draft: DraftOptions | None = None,
                  quant: WeightQuant | None = None) -> mf.Manifest:
     from .checkpoint import load_checkpoint  # torch + transformers: only now
@@ -308,7 +310,8 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
 
     stage("load")
     src = materialize(src, progress=progress)
-    ckpt = load_checkpoint(src, capacity=capacity, progress=progress)
+    # transformers' own loading bars only where ours is a bar too (not in a log)
+    ckpt = load_checkpoint(src, capacity=capacity, progress=progress and on_terminal())
     if draft is not None:
         check_draft_layers(draft, ckpt.spec.num_layers)
     bar.update()
@@ -445,8 +448,8 @@ def add_draft(target: str | os.PathLike, source: str | os.PathLike | None = None
     existed = dest.exists()
     moved = False
     try:
-        with tqdm(total=2, desc=f"draft {options.name}", unit="stage",
-                  disable=not progress) as bar:
+        with progress_bar(2, f"draft {options.name}", "stage", enabled=progress,
+                          bar_factory=tqdm) as bar:
             bar.set_postfix_str("load")
             src = materialize(src, progress=progress)
             digest = src.record()["sha256"]
@@ -454,7 +457,8 @@ def add_draft(target: str | os.PathLike, source: str | os.PathLike | None = None
                 raise ExportError(f"{src.path} is not the checkpoint {target_dir.name} was "
                                   f"exported from (sha256 {digest[:12]}... vs "
                                   f"{str(manifest.source.get('sha256'))[:12]}...)")
-            ckpt = load_checkpoint(src, capacity=manifest.capacity, progress=progress)
+            ckpt = load_checkpoint(src, capacity=manifest.capacity,
+                                   progress=progress and on_terminal())
             bar.update()
             bar.set_postfix_str("build + validate")
             build_draft(tmp, ckpt, manifest, options, target_dir=target_dir,

@@ -27,6 +27,7 @@ from ortspec.runtime.cli.args import UserErrorParser, add_model_options, model_a
 from ortspec.runtime.decoding.options import SpeculativeOptions
 from ortspec.runtime.errors import InvalidOptionError, OrtspecError
 from ortspec.runtime.ort.machine import cpu_model
+from ortspec.runtime.cli.progress import progress_bar
 from ortspec.runtime.validation import check_int
 
 from . import report
@@ -182,15 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     model.generate("Hello", chat=True, drafter=None, options=SpeculativeOptions(8))
     try:
         from tqdm import tqdm
-
-        bar = tqdm(total=len(prompts), desc="bench", unit="prompt", file=sys.stderr)
-        progress = bar.update
-    except ImportError:
-        bar, progress = None, None
-    run_pairs(model, prompts, methods, config, progress=progress, done=done, on_prompt=checkpoint.add)
+    except ImportError:  # lines instead of a bar
+        tqdm = None
+    bar = progress_bar(len(prompts), "bench", "prompt", bar_factory=tqdm)
+    run_pairs(model, prompts, methods, config, progress=bar.update, done=done, on_prompt=checkpoint.add)
     records, skipped = checkpoint.records, checkpoint.skipped
-    if bar is not None:
-        bar.close()
+    bar.close()
     names = [m.name for m in methods]
     anchor_names = [a for a in args.anchors.split(",") if a]
     anchors, anchor_raw = _anchor_speedups(anchor_names, prompts, model, config, args.threads) if anchor_names else ({}, {})

@@ -169,6 +169,10 @@ def test_an_interrupted_run_resumes_where_it_stopped(tiny_dir, tmp_path, monkeyp
             "--max-new-tokens", "6", "--methods", "plain,prompt-lookup"]
     whole, part = tmp_path / "whole", tmp_path / "part"
     assert bench_main(argv + ["--out", str(whole)]) == 0
+    err = capsys.readouterr().err  # off a terminal: a line per prompt, no bar frames
+    assert "\r" not in err and [line.split(",")[0] for line in err.splitlines()
+                                if line.startswith("bench: ")] == [
+        f"bench: {i}/4 prompts" for i in range(1, 5)]
     assert not (whole / checkpoint.FILE_NAME).exists()  # removed once the tables are written
     data = json.loads((whole / "results.json").read_text())
     expected = data["records"]

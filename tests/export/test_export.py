@@ -261,6 +261,23 @@ def test_existing_output_needs_overwrite(llama_src, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the old copy is gone too
 
 
+def test_progress_off_a_terminal_is_one_plain_line_per_stage(llama_src, tmp_path, capfd):
+    """In a log (stderr not a terminal) the export writes a line as each stage ends, and no
+    carriage-return frames: neither its own bar's nor transformers' loading bars."""
+    from ortspec.export.api import STAGES
+
+    capfd.readouterr()
+    export_model(llama_src, out=tmp_path / "out", capacity=CAP, max_verify_len=VERIFY,
+                 progress=True)
+    err = capfd.readouterr().err
+    assert "\r" not in err
+    lines = [line for line in err.splitlines() if line.startswith("export: ")]
+    total = len(STAGES)
+    assert [line.split(" (")[0] for line in lines] == [
+        f"export: {i}/{total} stages" for i in range(1, total + 1)]
+    assert [line.split(" (")[1].split(")")[0].split(":")[0] for line in lines] == list(STAGES)
+
+
 @pytest.mark.parametrize("opset", [17, 24])
 def test_supported_opsets_export_and_validate(llama_src, tmp_path, opset):
     out = export_model(llama_src, out=tmp_path / "out", capacity=32, max_verify_len=2,

@@ -1,8 +1,9 @@
 """The architectures `ortspec export` takes beyond the default model's, each on a tiny random
-checkpoint built here from its transformers config (hidden 64, 2-4 layers, the 320-token test
-tokenizer): both entry points against transformers' own forward pass over a prompt longer than
-any sliding window, greedy speculative decoding with prompt lookup token for token against
-plain decoding, and `ortspec check` on the export."""
+checkpoint built here from its transformers config (hidden 64, or 256 and 512 with
+Phi-4-mini's heads; 2-6 layers; the 320-token test tokenizer): both entry points against
+transformers' own forward pass over a prompt longer than any sliding window, greedy
+speculative decoding with prompt lookup token for token against plain decoding, and
+`ortspec check` on the export."""
 
 from __future__ import annotations
 
@@ -120,6 +121,26 @@ def phi3(directory):
     return _build(directory, Phi3ForCausalLM, config, seed=5)
 
 
+def phi4_mini(directory, *, head_dim=128):
+    """Phi-4-mini's heads: 4 query heads and 2 KV heads of 128 dimensions, 96 of them rotating
+    (partial_rotary_factor 0.75: cos/sin tables 48 wide, a quarter of each head passed
+    through), tied embeddings, longrope with distinct short factors; hidden 4 * head_dim
+    (512). head_dim 64 rotates 48 the same way. Step and verify logits 2.4e-5 apart at head_dim
+    128 (6e-6 at 64) against the fp32 bound of 1e-4; over seeds 0-7 at most 3.0e-5 (3.9e-5 for
+    the same models with the whole head rotating)."""
+    rotary_half = head_dim * 3 // 8  # head_dim * 0.75 / 2
+    config = Phi3Config(**{**COMMON, "hidden_size": 4 * head_dim}, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.75,
+                        sliding_window=None, tie_word_embeddings=True,
+                        original_max_position_embeddings=64,
+                        rope_parameters={"rope_type": "longrope",
+                                         "short_factor": [1.0 + 0.25 * i
+                                                          for i in range(rotary_half)],
+                                         "long_factor": [4.0] * rotary_half,
+                                         "original_max_position_embeddings": 64})
+    return _build(directory, Phi3ForCausalLM, config, seed=8)
+
+
 def gemma2(directory):
     """Gemma 2: embedding times sqrt(hidden), GeGLU, (1 + weight) RMSNorms before and after
     attention and MLP, attention and final soft-capping (caps small enough to bite on these
@@ -151,9 +172,11 @@ def gemma3(directory):
 FAMILIES = {"llama3": llama3, "llama-mha": llama_mha,
             "qwen2.5-tied": lambda d: qwen25(d, tied=True),
             "qwen2.5-untied": lambda d: qwen25(d, tied=False), "qwen3": qwen3,
-            "mistral-sliding": mistral, "smollm3": smollm3, "phi3": phi3, "gemma2": gemma2,
-            "gemma3": gemma3}
-STANDARD = ("llama3", "qwen3", "mistral-sliding", "smollm3", "phi3", "gemma2", "gemma3")  # the TensorRT flavour
+            "mistral-sliding": mistral, "smollm3": smollm3, "phi3": phi3,
+            "phi4-mini": phi4_mini, "phi4-mini-hd64": lambda d: phi4_mini(d, head_dim=64),
+            "gemma2": gemma2, "gemma3": gemma3}
+STANDARD = ("llama3", "qwen3", "mistral-sliding", "smollm3", "phi3", "phi4-mini",
+            "phi4-mini-hd64", "gemma2", "gemma3")  # the TensorRT flavour
 
 
 @pytest.fixture(scope="module")
@@ -334,6 +357,12 @@ def test_spec_records_what_each_family_needs(sources):
     config = AutoConfig.from_pretrained(sources("phi3"))
     assert config.rope_parameters["original_max_position_embeddings"] == CAP
     assert (phi.rotary_dims, phi.head_dim, phi.windows) == (16, 32, (24, 24))
+    for name, head_dim, rotary in (("phi4-mini", 128, 96), ("phi4-mini-hd64", 64, 48)):
+        phi4 = spec(name)
+        assert (phi4.rotary_dims, phi4.head_dim, phi4.hidden_size) == (rotary, head_dim,
+                                                                        4 * head_dim)
+        assert (phi4.num_heads, phi4.num_kv_heads, phi4.windows) == (4, 2, ())
+        assert phi4.tied_embeddings
     g2, g3 = spec("gemma2"), spec("gemma3")
     assert (g2.embed_scale, g2.mlp_act, g2.sandwich_norms) == (8.0, "gelu_tanh", True)
     assert (g2.attn_softcap, g2.final_softcap, g2.attention_scale) == (4.0, 6.0, 24 ** -0.5)
