@@ -92,7 +92,7 @@ for name in ("onnxruntime-genai", "onnxruntime", "torch", "transformers", "gguf"
 EOF
 
 # ---------------------------------------------------------------- 2. the GGUF
-# ortspec's own runtime beside genai, for benchmarks/anchors/head_to_head.py (one process)
+# ortspec's own runtime beside genai, for `python -m ortspec.runtime.bench.anchors.head_to_head` (one process)
 say "ortspec (this checkout, editable, no dependencies) in the anchor venv"
 if "$PY" -c "import ortspec.runtime" 2>/dev/null; then
   echo "already installed"
@@ -218,5 +218,5 @@ for precision in ("fp32", "int4", "int4-acc1"):
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
             print(f"    lm_head: {n.op_type} {attrs if attrs else ''}")
             break
-print(f"\nrun the anchors with: {os.path.join(os.path.dirname(os.path.dirname(cache)), '.venv-anchors/bin/python')} benchmarks/anchors/genai_anchor.py --help")
+print(f"\nrun the anchors with: {os.path.join(os.path.dirname(os.path.dirname(cache)), '.venv-anchors/bin/python')} -m ortspec.runtime.bench.anchors.genai_anchor --help")
 EOF
