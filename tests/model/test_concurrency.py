@@ -18,9 +18,9 @@ from ortspec.runtime import (
     ModelBusyError,
     PromptLookupSpeculator,
     SpeculativeOptions,
+    decode_steps,
     load_model,
 )
-from ortspec.runtime.decoding.loop import plain_decode_steps, speculative_decode_steps
 
 PROMPTS = [
     "Repeat after me: the cat sat on the mat, the cat sat on the mat, the cat",
@@ -170,9 +170,9 @@ def test_state_one_request_owns_is_refused_to_a_second(tiny):
 
     ids = tiny.encode(PROMPTS[0])
     dec = tiny.decoder  # the caller's own decoder, outside the pool
-    one = plain_decode_steps(dec, ids, _options(0.0, None))
+    one = decode_steps(dec, ids, None, _options(0.0, None))  # plain decoding
     next(one)
-    two = speculative_decode_steps(dec, ids, PromptLookupSpeculator(), _options(0.0, None))
+    two = decode_steps(dec, ids, PromptLookupSpeculator(), _options(0.0, None))
     with pytest.raises(ConcurrentUseError, match="this decoder"):
         next(two)
     one.close()
