@@ -24,6 +24,11 @@ class InvalidDistributionError(OrtspecError, ValueError):
     """A DraftDist (or probability vector) is not a distribution over the vocabulary."""
 
 
+class DecoderContractError(OrtspecError, TypeError):
+    """An object passed as a decoder lacks one of the seven members of the `Decoder` contract
+    (vocab_size, capacity, length, reset, forward_token, forward_batch, truncate)."""
+
+
 class DrafterError(OrtspecError, ValueError):
     """A drafter returned a block the decode loop cannot verify (ids out of range, too long)."""
 

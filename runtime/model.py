@@ -2,16 +2,28 @@
 
 A `Model` holds what every request shares, read-only: the ONNX Runtime sessions (the weights,
 packed once), the tokenizer, the manifest, and the cost-model policy's cross-request estimates
-(guarded). Each call of `generate` or `stream` takes one request's state from a bounded pool
-(`SlotPool`: KV buffers, bindings and cache length) and makes its own drafter and policy view,
-so calls from several threads, and streams consumed alternately, give exactly what serial calls
-give.
+(guarded). A request is `start`: it checks the request (`request.check_request`), makes the
+request's policy view, and returns a `TokenStream`, which takes one request's state from a
+bounded pool (`SlotPool`: KV buffers, bindings and cache length) when it is first iterated,
+makes its drafter on it, and runs the decode loop (`decoding.loop.decode_steps`): two layers
+from `Model` to the loop. `generate` runs a stream to its end; `stream` is its text
+(`text.TextStream`). Calls from several threads, and streams consumed alternately, give exactly
+what serial calls give.
 
-    model = load_model("models/exported/smollm2-135m-instruct-fp32")
+Set-up happens up front and visibly: `prepare()` (or `load_model(..., calibrate=True)`) reads or
+measures the cost curve; a `start` that needs it before then prepares before it returns, never
+inside the stream. A draft model the manifest lists is loaded by the first request that needs
+it, once (`load_draft`).
+
+    model = load_model("models/exported/smollm2-135m-instruct-fp32", calibrate=True)
     result = model.generate("Summarise: ...", chat=True, options=SpeculativeOptions(128))
     print(result.text, result.counters.mean_tokens_per_call)
     for piece in model.stream("Rewrite this function ...", chat=True):
         print(piece, end="", flush=True)
+    stream = model.start("Count to ten.", chat=True)    # token ids, a list per target call
+    for ids in stream:
+        ...
+    print(stream.result.counters.acceptance_rate)
 """
 
 from __future__ import annotations
@@ -19,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from pathlib import Path
-from typing import Any, Generator, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from .ort import manifest as mf
 from .decoding.counters import DecodeCounters
@@ -29,46 +41,49 @@ from .batching.runner import BatchRunner
 from .batching.prefix_cache import DEFAULT_PREFIX_CACHE_MIB, MIB
 from .draft_length.calibration import CalibrationKey, CostSurface, calibrated_cost_curve, \
     calibrated_cost_surface, step_cost_ratio
-from .decoding.loop import DecodeStream, plain_decode_steps, speculative_decode_steps
+from .decoding.loop import Steps, decode_steps
 from .decoding.options import SpeculativeDecodeResult, SpeculativeOptions
 from .draft_length.policy import AdaptiveDraftLength, BatchCosts
-from .drafters import DRAFTER_NAMES, NEEDS_DRAFT_MODEL
+from .drafters import NEEDS_DRAFT_MODEL
 from .drafters.composite import CostAwareDrafter
-from .drafters.draft_model import DEFAULT_DRAFT_CONTEXT, DraftModelDrafter, check_draft_context
-from .drafters.prompt_lookup import PromptLookupSpeculator, check_lookup_sizes
+from .drafters.draft_model import DEFAULT_DRAFT_CONTEXT, DraftModelDrafter
+from .drafters.prompt_lookup import PromptLookupSpeculator
 from .drafters.ngram_counts import NgramCountsDrafter
 from .drafters.target_cache import TargetCacheDrafter
 from .errors import InvalidOptionError, InvalidPromptError
 from .ort.decoder import OrtDecoder, kv_compatible
 from .decoding.protocols import DraftLengthPolicy, Drafter
 from .ort.sessions import OrtSessions
+from .request import DrafterSpec, ModelFacts, check_drafter_spec, check_request, drafter_spec
 from .slots import DecodeSlot, SlotPool, WhenBusy
+from .text import TextStream
 
 DEFAULT_MAX_CONCURRENT = 4  # decode slots a model makes at most unless told otherwise
 
 
 @dataclasses.dataclass(frozen=True)
-class DrafterSpec:
-    """A drafter by name with its options, made afresh for each request on the request's own
-    slot by `Model.generate` and `stream` (as a bare name is): what to pass for a draft model
-    drafter with options other than the defaults, since its draft decoder belongs to the slot."""
+class ListedDraft:
+    """A draft model the target's manifest lists, not loaded yet: `open()` reads and checks its
+    manifest and its pairing with the target, and opens its sessions with the providers and
+    threads the target was loaded with. `Model.load_draft` calls it once. `max_batch`: the rows
+    its graph takes, which bounds a batching model's pool."""
 
-    name: str
-    ngram_size: int = 3
-    max_draft_len: int = 8
-    draft_context: int | None = DEFAULT_DRAFT_CONTEXT
+    path: Path
+    max_batch: int
+    open: Callable[[], OrtSessions]
 
 
 class Model:
     """A loaded model: shared sessions and tokenizer, per-request state from `slots`.
 
     `decoder` and `draft` are decoders of the caller's own (made on first use, outside the
-    pool) for low-level work such as `plain_decode(model.decoder, ...)`; `generate` and
-    `stream` never touch them. Like any decoder, each serves one request at a time.
+    pool) for low-level work such as `plain_decode(model.decoder, ...)`; requests never touch
+    them. Like any decoder, each serves one request at a time.
     """
 
     def __init__(self, *, sessions: OrtSessions, tokenizer: Any, manifest: mf.Manifest, path: Path,
-                 draft_sessions: OrtSessions | None = None, max_concurrent: int = DEFAULT_MAX_CONCURRENT,
+                 draft_sessions: OrtSessions | None = None, listed_draft: ListedDraft | None = None,
+                 max_concurrent: int = DEFAULT_MAX_CONCURRENT,
                  when_busy: WhenBusy = "wait", busy_timeout: float | None = None,
                  batch: bool | None = None,
                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_MIB * MIB) -> None:
@@ -76,7 +91,9 @@ class Model:
         self.tokenizer = tokenizer  # tokenizers.Tokenizer: encode/decode are read-only
         self.manifest = manifest
         self.path = path
-        self.draft_sessions = draft_sessions
+        self.draft_sessions: OrtSessions | None = None  # set by _attach_draft
+        self.listed_draft = listed_draft if draft_sessions is None else None
+        self._prefix_cache_bytes = prefix_cache_bytes
         # concurrent requests share one call a step when the graph takes several rows
         if batch is None:
             batch = manifest.max_batch > 1 and max_concurrent > 1
@@ -86,20 +103,21 @@ class Model:
             self.runner = BatchRunner(backend, max_verify_len=sessions.max_verify_len,
                                       prefix_cache_bytes=prefix_cache_bytes)
             max_concurrent = backend.max_rows
-        # a draft whose graph takes several rows batches the requests' draft steps likewise
+            # a draft whose graph takes several rows batches the requests' draft steps likewise
+            # (a listed draft too, when it loads): the pool holds no more rows than it takes
+            draft_rows = draft_sessions.manifest.max_batch if draft_sessions is not None else \
+                listed_draft.max_batch if listed_draft is not None else 1
+            if draft_rows > 1:
+                max_concurrent = min(max_concurrent, draft_rows)
         self.draft_runner: BatchRunner | None = None
-        if self.runner is not None and draft_sessions is not None \
-                and draft_sessions.manifest.max_batch > 1:
-            draft_backend = OrtBatchBackend(draft_sessions, max_rows=max_concurrent)
-            self.draft_runner = BatchRunner(draft_backend,
-                                            max_verify_len=draft_sessions.max_verify_len,
-                                            prefix_cache_bytes=prefix_cache_bytes)
-            max_concurrent = min(max_concurrent, draft_backend.max_rows)
         self.slots = SlotPool(self._new_slot, max_slots=max_concurrent, when_busy=when_busy,
                               timeout=busy_timeout)
+        if draft_sessions is not None:
+            self._attach_draft(draft_sessions)
         self._surface: CostSurface | None = None
         self._draft_surface: CostSurface | None = None  # the draft runner's, when it batches
         self._lock = threading.Lock()  # guards the lazily made own decoders
+        self._draft_lock = threading.Lock()  # held while a listed draft loads
         self._policy_lock = threading.Lock()  # held while the shared policy is made
         self._policy: AdaptiveDraftLength | None = None
         self._decoder: OrtDecoder | None = None
@@ -123,9 +141,9 @@ class Model:
 
     @property
     def draft(self) -> OrtDecoder | None:
-        """A draft decoder of the caller's own (None without a draft model), with KV buffers of
-        its own: a drafter made on it serves any target. (A request's slot pairs its draft with
-        its target's buffers instead; `OrtDecoder.sharing_kv` does it by hand.)"""
+        """A draft decoder of the caller's own (None while no draft model is loaded), with KV
+        buffers of its own: a drafter made on it serves any target. (A request's slot pairs its
+        draft with its target's buffers instead; `OrtDecoder.sharing_kv` does it by hand.)"""
         if self.draft_sessions is None:
             return None
         with self._lock:
@@ -140,16 +158,31 @@ class Model:
         return (self.draft_sessions is not None and self.runner is None
                 and kv_compatible(self.draft_sessions, self.sessions) is None)
 
-    def check_drafter_spec(self, spec: DrafterSpec) -> None:
-        """InvalidOptionError unless `spec` names a drafter this model can make with those
-        options; `generate` and `stream` check it before decoding (the drafter is made on the
-        request's slot)."""
-        self._check_drafter_name(spec.name)
-        check_lookup_sizes(spec.ngram_size, 1, spec.max_draft_len)
-        if spec.name in NEEDS_DRAFT_MODEL:
-            assert self.draft_sessions is not None  # _check_drafter_name saw the draft
-            check_draft_context(spec.draft_context, capacity=self.draft_sessions.capacity,
-                                follows=self.draft_shares_kv, name="draft_context")
+    # -- the draft model ------------------------------------------------------------------------
+
+    def load_draft(self) -> OrtSessions | None:
+        """The draft model's sessions: the one loaded, else the one the manifest lists
+        (`listed_draft`), opened now, once (concurrent first requests wait for one load); None
+        without either. From then on each slot's memory includes the draft's (`slot_bytes`),
+        and the cost model, if prepared, prices a draft step as measured against the target's.
+        `start` calls it for a request whose drafter needs a draft, before returning."""
+        if self.draft_sessions is not None or self.listed_draft is None:
+            return self.draft_sessions
+        with self._draft_lock:
+            if self.draft_sessions is None:
+                self._attach_draft(self.listed_draft.open())
+                with self._policy_lock:
+                    if self._policy is not None:
+                        self._measure_draft(self._policy, refresh=False)
+        return self.draft_sessions
+
+    def _attach_draft(self, draft_sessions: OrtSessions) -> None:
+        if self.runner is not None and draft_sessions.manifest.max_batch > 1:
+            draft_backend = OrtBatchBackend(draft_sessions, max_rows=self.slots.max_slots)
+            self.draft_runner = BatchRunner(draft_backend,
+                                            max_verify_len=draft_sessions.max_verify_len,
+                                            prefix_cache_bytes=self._prefix_cache_bytes)
+        self.draft_sessions = draft_sessions  # last: a request that sees it sees the runner
 
     def _draft_for(self, target: OrtDecoder | Any) -> OrtDecoder | BatchRow:
         assert self.draft_sessions is not None
@@ -159,10 +192,17 @@ class Model:
             return OrtDecoder.sharing_kv(self.draft_sessions, target)
         return OrtDecoder.on(self.draft_sessions)
 
+    def _slot_draft(self, slot: DecodeSlot) -> OrtDecoder | BatchRow | None:
+        """The slot's draft decoder; made now for a slot made before the draft loaded."""
+        if slot.draft is None and self.draft_sessions is not None:
+            slot.draft = self._draft_for(slot.decoder)
+        return slot.draft
+
     @property
     def slot_bytes(self) -> int:
         """Memory one decode slot takes: KV buffers and logits buffers, target and draft (a
-        draft on the target's KV buffers adds its logits buffer only)."""
+        draft on the target's KV buffers adds its logits buffer only; a listed draft counts
+        once it is loaded)."""
         total = self.sessions.kv_bytes_per_decoder + self.sessions.logits_bytes_per_decoder
         if self.draft_sessions is not None:
             total += self.draft_sessions.logits_bytes_per_decoder
@@ -199,18 +239,37 @@ class Model:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    # -- generation -----------------------------------------------------------------------------
+    # -- drafters -------------------------------------------------------------------------------
+
+    def facts(self) -> ModelFacts:
+        """What `request.check_request` checks a request against: vocabulary, capacity, draft."""
+        draft = self.draft_sessions
+        return ModelFacts(vocab_size=self.sessions.vocab_size, capacity=self.capacity,
+                          path=str(self.path),
+                          has_draft=draft is not None or self.listed_draft is not None,
+                          draft_capacity=draft.capacity if draft is not None else None,
+                          draft_follows=self.draft_shares_kv)
+
+    def check_drafter_spec(self, spec: DrafterSpec) -> None:
+        """InvalidOptionError unless `spec` names a drafter this model can make with those
+        options (`request.check_drafter_spec`); `start` checks it before decoding (the drafter
+        is made on the request's slot)."""
+        if spec.name in NEEDS_DRAFT_MODEL:
+            self.load_draft()
+        check_drafter_spec(spec, self.facts())
 
     def make_drafter(self, name: str = "prompt-lookup", *, ngram_size: int = 3, max_draft_len: int = 8,
-                     draft_decoder: OrtDecoder | None = None,
+                     draft_decoder: OrtDecoder | BatchRow | None = None,
                      draft_context: int | None = DEFAULT_DRAFT_CONTEXT) -> Drafter | None:
         """A drafter by name: one of DRAFTER_NAMES ("none" gives None: plain decoding).
 
         The draft-model drafters run on `draft_decoder` (default: `self.draft`, the caller's
-        own); `generate` and `stream` make theirs per request on the request's slot. The draft
-        model reads the last `draft_context` tokens of the history (None: all of it; see
-        `DraftModelDrafter`)."""
-        self._check_drafter_name(name)
+        own, the listed draft loaded first if need be); requests make theirs on their own
+        slots. The draft model reads the last `draft_context` tokens of the history (None: all
+        of it; see `DraftModelDrafter`)."""
+        if draft_decoder is None and name in NEEDS_DRAFT_MODEL:
+            self.load_draft()
+        check_drafter_spec(DrafterSpec(name), self.facts())
         if name == "none":
             return None
         lookup = PromptLookupSpeculator(ngram_size=ngram_size, max_draft_len=max_draft_len)
@@ -225,15 +284,6 @@ class Model:
                                           prior=self._draft_agreement(), context=draft_context)
         return model_drafter if name == "draft-model" else CostAwareDrafter(lookup, model_drafter)
 
-    def _check_drafter_name(self, name: str) -> None:
-        if name not in DRAFTER_NAMES:
-            raise InvalidOptionError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTER_NAMES)}")
-        if name in NEEDS_DRAFT_MODEL and self.draft_sessions is None:
-            raise InvalidOptionError(
-                f"drafter {name!r} needs a draft model: export one with "
-                f"`ortspec export --draft-quant int4` or `--draft-layers N`, then load_model(path, draft=...)"
-            )
-
     def _draft_agreement(self) -> float | None:
         """The top-1 agreement with the target that the draft's export measured, if recorded."""
         if self.draft_sessions is None:
@@ -241,51 +291,64 @@ class Model:
         agreement = self.draft_sessions.manifest.extra.get("agreement", {}).get("top1")
         return float(agreement) if isinstance(agreement, (int, float)) else None
 
-    def _prepare(self, prompt: str | Sequence[int], options: SpeculativeOptions | None, chat: bool,
-                 system: str | None) -> tuple[list[int], SpeculativeOptions]:
-        ids = self.encode(prompt, chat=chat, system=system) if isinstance(prompt, str) else list(prompt)
-        if options is None:
-            options = SpeculativeOptions(max_new_tokens=128)
-        if not options.stop_token_ids:
-            options = dataclasses.replace(options, stop_token_ids=self.manifest.stop_token_ids)
-        return ids, options
+    # -- the cost model -------------------------------------------------------------------------
 
-    def draft_length_policy(self, *, refresh: bool = False) -> AdaptiveDraftLength:
-        """The cost-model draft-length policy whose estimates `generate` and `stream` share.
+    @property
+    def prepared(self) -> bool:
+        """Whether the cost model is ready (`prepare` has run)."""
+        return self._policy is not None
 
-        Made on first use (the cost curve is read from the calibration cache, or measured in a
-        few seconds on a slot of the pool) and shared by this model's requests, each through a
-        `for_request()` view, so what it learns about acceptance and call costs carries over,
-        as in a server. `refresh` re-measures the curve."""
+    def prepare(self, *, refresh: bool = False) -> AdaptiveDraftLength:
+        """Make the cost-model draft-length policy: read the cost curve from the calibration
+        cache, or measure it (a few seconds) on a slot of the pool, with the draft's step cost
+        and, for a batching model, the cost surface. Once per model (`refresh` measures again);
+        `load_model(..., calibrate=True)` and every command-line command call it before the
+        first request, and a `start` that needs it before then calls it before returning its
+        stream. Returns the policy (`draft_length_policy`)."""
         with self._policy_lock:  # one thread measures; the others wait for its policy
             if self._policy is not None and not refresh:
                 return self._policy
+            key = _calibration_key(self.sessions)
             with self.slots.slot() as slot:  # measured on request state, never a running request's
-                key = _calibration_key(self.sessions)
                 curve = calibrated_cost_curve(slot.decoder, key, refresh=refresh)
-                draft_cost = 0.0
-                if slot.draft is not None:
-                    # timings taken at different moments are not comparable on a drifting
-                    # machine: the draft's step is measured against the target's, interleaved
-                    draft_cost = step_cost_ratio(slot.draft, slot.decoder) * curve.cost(1)
             if self.runner is not None:
                 self._surface = self.runner.exclusive(
                     lambda backend, floors: calibrated_cost_surface(
                         backend, key, max_len=self.runner.max_verify_len, floors=floors,
                         refresh=refresh))
-            if self.draft_runner is not None:  # its one-token calls by rows: d(B, 1)
-                draft_key = _calibration_key(self.draft_sessions)
-                self._draft_surface = self.draft_runner.exclusive(
-                    lambda backend, floors: calibrated_cost_surface(
-                        backend, draft_key, max_len=1, floors=floors, refresh=refresh))
-            self._policy = AdaptiveDraftLength(curve, draft_step_seconds=draft_cost)
-            return self._policy
+            policy = AdaptiveDraftLength(curve)
+            self._measure_draft(policy, refresh=refresh)
+            self._policy = policy
+            return policy
+
+    def _measure_draft(self, policy: AdaptiveDraftLength, *, refresh: bool) -> None:
+        """The draft's costs into `policy`, when a draft is loaded: its step against the
+        target's, and its batched one-token calls by rows when its runner batches."""
+        if self.draft_sessions is None:
+            return
+        with self.slots.slot() as slot:
+            # timings taken at different moments are not comparable on a drifting machine: the
+            # draft's step is measured against the target's, interleaved
+            draft = self._slot_draft(slot)
+            assert draft is not None
+            policy.draft_step_seconds = step_cost_ratio(draft, slot.decoder) * policy.curve.cost(1)
+        if self.draft_runner is not None:  # its one-token calls by rows: d(B, 1)
+            draft_key = _calibration_key(self.draft_sessions)
+            self._draft_surface = self.draft_runner.exclusive(
+                lambda backend, floors: calibrated_cost_surface(
+                    backend, draft_key, max_len=1, floors=floors, refresh=refresh))
+
+    def draft_length_policy(self, *, refresh: bool = False) -> AdaptiveDraftLength:
+        """The cost-model draft-length policy whose estimates requests share (`prepare` makes
+        it): each request gets a `for_request()` view, so what it learns about acceptance and
+        call costs carries over, as in a server. `refresh` re-measures the curve."""
+        return self.prepare(refresh=refresh)
 
     def _request_policy(self, draft_length: Any, options: SpeculativeOptions
                         ) -> DraftLengthPolicy | None:
         if draft_length != "auto":
             return draft_length
-        shared = self.draft_length_policy()
+        shared = self.prepare()  # a no-op once prepared
         if options.seed is not None and options.temperature > 0:
             return shared.for_seeded_request()  # the seed fixes the output
         if self.runner is not None and self._surface is not None:
@@ -294,37 +357,55 @@ class Model:
                                                    draft=self._draft_surface))
         return shared.for_request()
 
-    def _check_request(self, drafter: Any, draft_length: Any) -> None:
-        """What a request can get wrong, checked when it is made, before any decoding."""
-        if isinstance(drafter, str):
-            self._check_drafter_name(drafter)
-        if isinstance(drafter, DrafterSpec):
-            self.check_drafter_spec(drafter)
-        if isinstance(draft_length, str) and draft_length != "auto":
-            raise InvalidOptionError(
-                f"draft_length must be 'auto' (the cost model), None (always verify the whole "
-                f"draft) or a policy object; got {draft_length!r}")
+    # -- requests -------------------------------------------------------------------------------
 
-    def _steps(self, ids: list[int], drafter: Drafter | str | DrafterSpec | None, options: SpeculativeOptions,
-               draft_length: Any, counters: DecodeCounters | None = None
-               ) -> Generator[list[int], None, SpeculativeDecodeResult]:
-        """One request: its policy view, then a slot, then its drafter, then the decode loop.
-        The slot goes back to the pool when the decode ends, fails or is abandoned."""
-        if drafter == "none" or (isinstance(drafter, DrafterSpec) and drafter.name == "none"):
-            drafter = None
+    def start(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        drafter: Drafter | str | DrafterSpec | None = "prompt-lookup",
+        options: SpeculativeOptions | None = None,
+        chat: bool = False,
+        system: str | None = None,
+        draft_length: Any = "auto",
+    ) -> "TokenStream":
+        """Start one request: check it, make its policy view, and return its `TokenStream`.
+
+        `prompt`: text (encoded, through the chat format with `chat`, `system` as a system
+        turn) or token ids. `drafter`: a name from DRAFTER_NAMES, a `DrafterSpec`, a drafter
+        object, or None (plain decoding); a name or a spec makes the drafter on the request's own
+        slot, whose draft decoder runs on the slot's KV buffers (`draft_shares_kv`); a drafter
+        object built on `model.draft` has buffers of its own. A draft-model drafter on a model
+        whose manifest lists a draft loads that draft first, once (`load_draft`).
+        `options.stop_token_ids` defaults to the model's. `draft_length`: "auto" (default) lets
+        the model's cost-model policy pick how many drafted tokens to verify each step; None
+        verifies every draft whole; or any `DraftLengthPolicy`. The model's policy learns across
+        requests and from timed calls; a request with a seed above temperature 0 gets a copy
+        that learns from that request alone and times nothing, so the same seed gives the same
+        output (the distribution is exact either way).
+
+        Everything is checked here (`request.check_request`), and the set-up the request needs
+        (the listed draft, the cost model if not prepared) is done here, before the stream is
+        returned. The stream takes a decode slot when it is first iterated (waiting or failing
+        with ModelBusyError when all are taken, as `load_model`'s `when_busy` says) and gives it
+        back when it ends, fails or is closed. Safe to call from several threads; a drafter or
+        policy object passed in serves one request at a time.
+        """
+        ids = self.encode(prompt, chat=chat, system=system) if isinstance(prompt, str) else prompt
+        if options is None:
+            options = SpeculativeOptions(max_new_tokens=128)
+        if isinstance(options, SpeculativeOptions) and not options.stop_token_ids:
+            options = dataclasses.replace(options, stop_token_ids=self.manifest.stop_token_ids)
+        spec = drafter_spec(drafter)
+        if spec is not None and spec.name == "none":
+            drafter = spec = None
+        if spec is not None and spec.name in NEEDS_DRAFT_MODEL:
+            self.load_draft()
+        ids = check_request(ids, options, drafter=spec or drafter, draft_length=draft_length,
+                            facts=self.facts())
+        assert ids is not None
         policy = self._request_policy(draft_length, options) if drafter is not None else None
-        with self.slots.slot() as slot:
-            if isinstance(drafter, str):
-                drafter = DrafterSpec(drafter)
-            if isinstance(drafter, DrafterSpec):
-                drafter = self.make_drafter(drafter.name, ngram_size=drafter.ngram_size,
-                                            max_draft_len=drafter.max_draft_len,
-                                            draft_context=drafter.draft_context,
-                                            draft_decoder=slot.draft)
-            if drafter is None:
-                return (yield from plain_decode_steps(slot.decoder, ids, options, counters=counters))
-            return (yield from speculative_decode_steps(slot.decoder, ids, drafter, options,
-                                                        draft_length=policy, counters=counters))
+        return TokenStream(self, ids, spec or drafter, options, policy)
 
     def generate(
         self,
@@ -336,28 +417,13 @@ class Model:
         system: str | None = None,
         draft_length: Any = "auto",
     ) -> SpeculativeDecodeResult:
-        """Decode `prompt` (text, or token ids) with `drafter` (a name from DRAFTER_NAMES, a
-        `DrafterSpec`, a drafter object, or None: plain decoding). A name or a spec makes the
-        drafter on the request's own slot, whose draft decoder runs on the slot's KV buffers
-        (`draft_shares_kv`); a drafter object built on `model.draft` has buffers of its own.
-
-        `options.stop_token_ids` defaults to the model's; `result.text` holds the decoded text.
-        `draft_length`: "auto" (default) lets the model's cost-model policy pick how many drafted
-        tokens to verify each step (`draft_length_policy()`); None verifies every draft whole;
-        or any `DraftLengthPolicy`. The model's policy learns across requests and from timed
-        calls; a request with a seed above temperature 0 gets a copy that learns from that
-        request alone and times nothing, so the same seed gives the same output (the
-        distribution is exact either way).
-
-        Safe to call from several threads: each call takes a decode slot (waiting or failing
-        with ModelBusyError when all are taken, as `load_model`'s `when_busy` says). A drafter
-        or policy object passed in serves one request at a time.
-        """
-        self._check_request(drafter, draft_length)
-        ids, options = self._prepare(prompt, options, chat, system)
-        result = DecodeStream(self._steps(ids, drafter, options, draft_length)).run()
-        result.text = self.decode(result.tokens)
-        return result
+        """`start` run to its end: the result, with the decoded text in `result.text`."""
+        stream = self.start(prompt, drafter=drafter, options=options, chat=chat, system=system,
+                            draft_length=draft_length)
+        for _ in stream:
+            pass
+        assert stream.result is not None
+        return stream.result
 
     def stream(
         self,
@@ -368,47 +434,96 @@ class Model:
         chat: bool = False,
         system: str | None = None,
         draft_length: Any = "auto",
-    ) -> "TextStream":
-        """Like `generate`, yielding text as tokens are accepted; `.result` when done. The slot
-        is taken at the first iteration and given back when the stream ends or is closed.
-        `.tokens` and `.counters` hold what was emitted and counted so far, also after the
-        caller stopped early (a stop string, a client gone)."""
-        self._check_request(drafter, draft_length)
-        ids, options = self._prepare(prompt, options, chat, system)
-        counters = DecodeCounters()
-        return TextStream(self, DecodeStream(self._steps(ids, drafter, options, draft_length, counters)),
-                          counters)
+    ) -> TextStream:
+        """`start`'s tokens as text: iterating yields text pieces as tokens are accepted
+        (`text.detokenize`); `.result` when done. The slot is taken at the first iteration and
+        given back when the stream ends or is closed. `.tokens` and `.counters` hold what was
+        emitted and counted so far, also after the caller stopped early (a stop string, a
+        client gone)."""
+        return TextStream(self.start(prompt, drafter=drafter, options=options, chat=chat,
+                                     system=system, draft_length=draft_length), self.decode)
 
 
-class TextStream:
-    """Yields decoded text pieces; holds back an incomplete UTF-8 sequence until it completes."""
+class TokenStream:
+    """One request of a `Model` (made by `Model.start`), as the tokens its decode emits: a list
+    per target call (one token for a plain step, accepted drafts and the token after them for a
+    verify). `.tokens` and `.counters` hold what was emitted and counted so far; `.result` is
+    the `SpeculativeDecodeResult` (with `.text`) once the decode has ended, None before.
 
-    def __init__(self, model: Model, stream: DecodeStream, counters: DecodeCounters) -> None:
-        self._model, self._stream = model, stream
-        self.result: SpeculativeDecodeResult | None = None
+    The stream owns the request's state: at the first `next()` it takes a decode slot from the
+    model's pool, makes the drafter on it (for a name or a `DrafterSpec`), and iterates the
+    decode loop (`decoding.loop.decode_steps`) with the request's policy; the slot goes back
+    when the decode ends, fails, or the stream is closed (`close()`, or garbage collection of a
+    stream dropped half way). Nothing else happens inside `next()`: the request was checked, and
+    any set-up done, by `Model.start`."""
+
+    def __init__(self, model: Model, prompt: list[int], drafter: Drafter | DrafterSpec | None,
+                 options: SpeculativeOptions, policy: DraftLengthPolicy | None) -> None:
+        self.model = model
+        self.prompt = prompt
+        self.options = options
         self.tokens: list[int] = []  # emitted so far
-        self.counters = counters  # filled in as the decode goes
+        self.counters = DecodeCounters()  # filled in as the decode goes
+        self.result: SpeculativeDecodeResult | None = None
+        self._drafter, self._policy = drafter, policy
+        self._slot: DecodeSlot | None = None
+        self._steps: Steps | None = None
+        self._done = False
 
-    def __iter__(self) -> Iterator[str]:
-        # incremental detokenisation: decode only the tokens since the last piece (plus the one
-        # before, for tokenizers whose pieces depend on their left neighbour), not the whole text
-        tokens = self.tokens
-        prefix = read = 0  # tokens[prefix:read] is the text already shown, decoded on its own
-        shown = 0  # characters yielded
-        for new in self._stream:
-            tokens.extend(new)
-            before = self._model.decode(tokens[prefix:read])
-            after = self._model.decode(tokens[prefix:])
-            if len(after) > len(before) and not after.endswith("\ufffd"):  # not mid-character
-                piece = after[len(before):]
-                shown += len(piece)
-                yield piece
-                prefix, read = read, len(tokens)
-        self.result = self._stream.result
-        assert self.result is not None
-        self.result.text = self._model.decode(self.result.tokens)
-        if len(self.result.text) > shown:  # a character completed by the last token
-            yield self.result.text[shown:]
+    def __iter__(self) -> Iterator[list[int]]:
+        return self
+
+    def __next__(self) -> list[int]:
+        if self._done:
+            raise StopIteration
+        if self._steps is None:
+            self._begin()
+        assert self._steps is not None
+        try:
+            new = next(self._steps)
+        except StopIteration as stop:
+            self.result = stop.value
+            self.result.text = self.model.decode(self.result.tokens)
+            self.close()
+            raise StopIteration from None
+        except BaseException:
+            self.close()
+            raise
+        self.tokens.extend(new)
+        return new
+
+    def _begin(self) -> None:
+        """Take a slot, make the drafter on it, open the decode loop."""
+        model = self.model
+        slot = self._slot = model.slots.acquire()
+        try:
+            drafter = self._drafter
+            if isinstance(drafter, DrafterSpec):
+                drafter = model.make_drafter(drafter.name, ngram_size=drafter.ngram_size,
+                                             max_draft_len=drafter.max_draft_len,
+                                             draft_context=drafter.draft_context,
+                                             draft_decoder=model._slot_draft(slot))
+            self._steps = decode_steps(slot.decoder, self.prompt, drafter, self.options,
+                                       draft_length=self._policy, counters=self.counters)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """End the request: the decode loop is closed and the slot given back (idempotent)."""
+        self._done = True
+        steps, self._steps = self._steps, None
+        slot, self._slot = self._slot, None
+        try:
+            if steps is not None:
+                steps.close()  # the loop's claims on the decoder, drafter and policy end
+        finally:
+            if slot is not None:
+                self.model.slots.release(slot)
+
+    def __del__(self) -> None:
+        if self._slot is not None:
+            self.close()
 
 
 def _calibration_key(sessions: OrtSessions) -> CalibrationKey:

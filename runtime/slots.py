@@ -72,13 +72,15 @@ class SlotPool:
     @contextlib.contextmanager
     def slot(self) -> Iterator[DecodeSlot]:
         """A slot for the duration of the `with` block."""
-        slot = self._acquire()
+        slot = self.acquire()
         try:
             yield slot
         finally:
-            self._release(slot)
+            self.release(slot)
 
-    def _acquire(self) -> DecodeSlot:
+    def acquire(self) -> DecodeSlot:
+        """A slot, held until `release(slot)` (what a request's stream does when it ends or is
+        closed); waits or raises ModelBusyError as `when_busy` says."""
         me = threading.get_ident()
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         with self._cond:
@@ -108,7 +110,8 @@ class SlotPool:
             self._held_by[id(slot)] = me
         return slot
 
-    def _release(self, slot: DecodeSlot) -> None:
+    def release(self, slot: DecodeSlot) -> None:
+        """Give back a slot `acquire` returned."""
         slot.end_request()
         with self._cond:
             self._held_by.pop(id(slot), None)

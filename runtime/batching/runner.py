@@ -1,6 +1,6 @@
 """Continuous batching beneath the `Decoder` protocol: many requests, one model call a step.
 
-Each request decodes in its own thread exactly as it would alone (`speculative_decode_steps`
+Each request decodes in its own thread exactly as it would alone (`decode_steps`
 with its own drafter, policy, sampler and seed) on a `BatchRow` (`batch_rows.py`), a
 `Decoder` that owns no KV buffers. A row's calls are jobs for one `BatchRunner` thread, which
 combines the jobs of all rows into one call of the backend (`batch_backend.py`): B rows, each appending its own block

@@ -179,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
           f"temperature {args.temperature}, {args.max_new_tokens} new tokens"
           + (f"; {len(done)} measured before, resumed from {checkpoint.path}" if done else ""),
           file=sys.stderr)
-    # warm up: thread pools, allocator, calibration (cached next to the model)
+    if any(m.drafter != "none" and m.fixed_k is None for m in methods):
+        model.prepare()  # the cost model: read from the calibration cache or measured, now
+    # warm up: thread pools, allocator
     model.generate("Hello", chat=True, drafter=None, options=SpeculativeOptions(8))
     try:
         from tqdm import tqdm

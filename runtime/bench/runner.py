@@ -12,7 +12,7 @@ import re
 from typing import Any, Callable, Iterable
 
 from ortspec.runtime.decoding.options import SpeculativeOptions
-from ortspec.runtime.model import DrafterSpec
+from ortspec.runtime.request import DrafterSpec
 from ortspec.runtime.drafters import DRAFTER_NAMES, NEEDS_DRAFT_MODEL
 from ortspec.runtime.errors import InvalidOptionError
 from ortspec.runtime.validation import check_int

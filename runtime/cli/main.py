@@ -12,14 +12,21 @@ Errors the user can fix print as one line and exit with status 2, no traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .args import UserErrorParser, add_model_options, model_arg, providers_arg
 from ..drafters import DRAFTER_NAMES, NEEDS_DRAFT_MODEL
 from ..errors import InvalidOptionError, InvalidPromptError, OrtspecError
 from ..paths import default_model_path, models_dir  # noqa: F401 - re-exported
 from ..validation import check_int
+
+if TYPE_CHECKING:
+    from ..decoding.options import SpeculativeOptions
+    from ..ort.providers import ProviderChoice
+    from ..request import DrafterSpec
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -30,10 +37,22 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
-def _check_generate_args(args: argparse.Namespace) -> str:
-    """Everything `generate` can check before loading the model; returns the prompt text."""
-    from ..drafters.prompt_lookup import PromptLookupSpeculator
-    from ..ort.providers import resolve_providers
+@dataclasses.dataclass(frozen=True)
+class GenerateRequest:
+    """`generate`'s request, checked before the model loads; the providers chosen once."""
+
+    options: SpeculativeOptions
+    drafter: DrafterSpec
+    draft_length: str | None  # "auto" (the cost model) or None (--fixed-draft-len)
+    providers: ProviderChoice
+
+
+def _check_generate_args(args: argparse.Namespace) -> tuple[str, GenerateRequest]:
+    """Everything `generate` can check before loading the model: the prompt text, and the
+    request as `check_request` sees it without a model (options, drafter, providers)."""
+    from ..decoding.options import SpeculativeOptions
+    from ..ort.providers import choose_providers
+    from ..request import DrafterSpec, check_request
 
     if args.prompt is None and args.prompt_file is None:
         raise OrtspecError("give --prompt TEXT or --prompt-file PATH")
@@ -47,12 +66,23 @@ def _check_generate_args(args: argparse.Namespace) -> str:
         with_draft = " or ".join(n for n in DRAFTER_NAMES if n in NEEDS_DRAFT_MODEL)
         raise InvalidOptionError(f"--draft is used only with --drafter {with_draft}, "
                                  f"not {args.drafter!r}")
-    PromptLookupSpeculator(ngram_size=args.ngram_size, max_draft_len=args.max_draft_len)
-    resolve_providers(providers_arg(args.providers))  # names not offered here fail now
+    if args.recalibrate and args.fixed_draft_len:
+        raise InvalidOptionError("--recalibrate measures the cost model's curve; it has no use "
+                                 "with --fixed-draft-len")
+    options = SpeculativeOptions(
+        args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        seed=args.seed, max_draft_len=args.max_draft_len,
+    )
+    # made on the request's slot, whose draft decoder runs on the slot's target KV buffers
+    drafter = DrafterSpec(args.drafter, ngram_size=args.ngram_size, max_draft_len=args.max_draft_len)
+    draft_length = None if args.fixed_draft_len else "auto"
+    check_request(None, options, drafter=drafter, draft_length=draft_length)
+    request = GenerateRequest(options, drafter, draft_length,
+                              choose_providers(providers_arg(args.providers)))
     if args.prompt_file is None:
-        return args.prompt
+        return args.prompt, request
     try:
-        return Path(args.prompt_file).read_text(encoding="utf-8")
+        return Path(args.prompt_file).read_text(encoding="utf-8"), request
     except UnicodeDecodeError as e:
         raise InvalidPromptError(f"--prompt-file {args.prompt_file!r} is not UTF-8 text ({e})") \
             from None
@@ -62,27 +92,17 @@ def _check_generate_args(args: argparse.Namespace) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ..decoding.options import SpeculativeOptions
     from ..load import load_model
-    from ..model import DrafterSpec
 
-    prompt = _check_generate_args(args)
-    if args.recalibrate and args.fixed_draft_len:
-        raise InvalidOptionError("--recalibrate measures the cost model's curve; it has no use "
-                                 "with --fixed-draft-len")
-    options = SpeculativeOptions(
-        args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        seed=args.seed, max_draft_len=args.max_draft_len,
-    )
+    prompt, request = _check_generate_args(args)
     needs_draft = args.drafter in NEEDS_DRAFT_MODEL
-    model = load_model(model_arg(args.model), providers=providers_arg(args.providers),
-                       threads=args.threads, draft=(args.draft or True) if needs_draft else None)
-    # made on the request's slot, whose draft decoder runs on the slot's target KV buffers
-    drafter = DrafterSpec(args.drafter, ngram_size=args.ngram_size, max_draft_len=args.max_draft_len)
-    policy = None if args.fixed_draft_len else "auto"
-    if args.recalibrate:
-        model.draft_length_policy(refresh=True)
-    stream = model.stream(prompt, drafter=drafter, options=options, chat=args.chat, draft_length=policy)
+    cost_model = args.drafter != "none" and request.draft_length == "auto"
+    model = load_model(model_arg(args.model), providers=request.providers, threads=args.threads,
+                       draft=(args.draft or True) if needs_draft else None)
+    if cost_model or args.recalibrate:  # the cost model, made before the request
+        model.prepare(refresh=args.recalibrate)
+    stream = model.stream(prompt, drafter=request.drafter, options=request.options,
+                          chat=args.chat, draft_length=request.draft_length)
     for piece in stream:
         sys.stdout.write(piece)
         sys.stdout.flush()

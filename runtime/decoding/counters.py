@@ -63,7 +63,11 @@ class DecodeCounters:
     def other_seconds(self) -> float:
         return max(0.0, self.total_seconds - self.model_seconds - self.draft_seconds - self.sample_seconds)
 
-    def _count_block(self, block: DraftBlock, n_accepted: int) -> None:
+    def count_block(self, block: DraftBlock, n_accepted: int) -> None:
+        """Count one verified block: its `len(block)` drafted tokens (by position and by
+        `block.source`) and the first `n_accepted` of them accepted. The decode loop calls it
+        once per target call (an empty block counts nothing); a loop of one's own (a batch
+        runner's rows) keeps the same counts by calling it too."""
         k = len(block)
         if k == 0:
             return

@@ -7,45 +7,50 @@ position it needs: row 0 judges the first draft, row k gives the bonus token. Af
 run, the cache is truncated to the history that survived and the last emitted token becomes
 the new pending one. Because the last token is never fed, `prompt + new tokens` may reach
 `capacity + 1` tokens.
+
+`decode_steps` is the loop itself, a generator of the tokens each target call emits (a plain
+step when there is no drafter); `plain_decode`, `speculative_decode_with` and
+`speculative_decode` check their inputs (`check_decode_inputs`) and run it to the end.
+`Model.start` checks a request once (`ortspec.runtime.request.check_request`) and iterates it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 import time
-from typing import Generator, Iterator, Literal, Sequence
+from typing import Generator, Iterator, Sequence
 
 import numpy as np
 
 from .counters import DecodeCounters
-from ..errors import ConcurrentUseError, DrafterError, InvalidOptionError, InvalidPromptError
+from ..errors import ConcurrentUseError, DrafterError
 from .history import TokenHistory
-from .options import FinishReason, SpeculativeDecodeResult, SpeculativeOptions
-from .protocols import Decoder, DraftLengthPolicy, Drafter
-from .sampling import DraftBlock, check_logits, check_sampling_options, sample_from, verify_block, warp
-from ..validation import check_int, is_int
+from .options import FinishReason, SpeculativeDecodeResult, SpeculativeOptions, check_options, \
+    check_prompt
+from .protocols import Decoder, DraftLengthPolicy, Drafter, as_decoder, check_drafter
+from .sampling import DraftBlock, check_logits, sample_from, verify_block, warp
 
-def _check_prompt(decoder: Decoder, prompt: Sequence[int], options: object) -> list[int]:
-    if not isinstance(options, SpeculativeOptions):
-        raise InvalidOptionError(f"options must be a SpeculativeOptions, got {type(options).__name__}")
-    if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
-        raise InvalidPromptError(f"the prompt must be a sequence of token ids, got {type(prompt).__name__}")
-    prompt = list(prompt)
-    if not prompt:
-        raise InvalidPromptError("the prompt is empty; at least one token is needed")
-    vocab = decoder.vocab_size
-    for i, t in enumerate(prompt):
-        if not is_int(t) or not 0 <= t < vocab:
-            raise InvalidPromptError(
-                f"prompt token {i} is {t!r}; token ids must be integers in 0..{vocab - 1}"
-            )
-    if len(prompt) > decoder.capacity:
-        raise InvalidPromptError(
-            f"the prompt has {len(prompt)} tokens; the model's KV capacity is {decoder.capacity}"
-        )
-    return [int(t) for t in prompt]
+Steps = Generator[list[int], None, SpeculativeDecodeResult]  # tokens per target call; the result
+
+def check_decode_inputs(decoder: object, prompt: Sequence[int], options: object
+                        ) -> tuple[Decoder, list[int]]:
+    """What the decode entry points check before any work: the decoder's contract
+    (`as_decoder`, DecoderContractError), the options' type (InvalidOptionError) and the prompt
+    against the decoder's vocabulary and capacity (InvalidPromptError). Returns the decoder as
+    the loop calls it and the prompt as a list of ints."""
+    dec = as_decoder(decoder)
+    check_options(options)
+    return dec, check_prompt(prompt, vocab_size=dec.vocab_size, capacity=dec.capacity)
+
+
+def run_to_end(steps: Steps) -> SpeculativeDecodeResult:
+    """Iterate `steps` to the end; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
 
 
 def _prefill(decoder: Decoder, prompt: list[int], counters: DecodeCounters) -> int:
@@ -58,24 +63,6 @@ def _prefill(decoder: Decoder, prompt: list[int], counters: DecodeCounters) -> i
     counters.prefill_seconds = time.perf_counter() - t0
     counters.model_seconds += counters.prefill_seconds
     return prompt[-1]
-
-
-class DecodeStream:
-    """Iterate over the tokens a decode emits, step by step (a list per target call); the
-    `SpeculativeDecodeResult` is in `.result` once the iteration has finished."""
-
-    def __init__(self, steps: Generator[list[int], None, SpeculativeDecodeResult]) -> None:
-        self._steps = steps
-        self.result: SpeculativeDecodeResult | None = None
-
-    def __iter__(self) -> Iterator[list[int]]:
-        self.result = yield from self._steps
-
-    def run(self) -> SpeculativeDecodeResult:
-        for _ in self:
-            pass
-        assert self.result is not None
-        return self.result
 
 
 _claims_lock = threading.Lock()
@@ -108,58 +95,8 @@ def plain_decode(
     decoder: Decoder, prompt: Sequence[int], options: SpeculativeOptions
 ) -> SpeculativeDecodeResult:
     """One `forward_token` per new token, sampled from `warp(logits)`: the reference."""
-    return DecodeStream(plain_decode_steps(decoder, prompt, options)).run()
-
-
-def plain_decode_steps(
-    decoder: Decoder, prompt: Sequence[int], options: SpeculativeOptions, *,
-    counters: DecodeCounters | None = None,
-) -> Generator[list[int], None, SpeculativeDecodeResult]:
-    """`plain_decode` as a generator of emitted tokens; returns the result. `counters` (a fresh
-    one by default) is filled in as the decode goes, so a caller that stops early still has
-    the counts so far."""
-    prompt = _check_prompt(decoder, prompt, options)
-    with _claim(decoder=decoder):
-        counters = counters if counters is not None else DecodeCounters()
-        return (yield from _plain_steps(decoder, prompt, options, counters))
-
-
-def _plain_steps(decoder: Decoder, prompt: list[int], options: SpeculativeOptions,
-                 counters: DecodeCounters) -> Generator[list[int], None, SpeculativeDecodeResult]:
-    t_start = time.perf_counter()
-    ort_start = decoder.ort_seconds
-    rng = np.random.default_rng(options.seed)
-    stops = frozenset(options.stop_token_ids)
-    pending = _prefill(decoder, prompt, counters)
-    new: list[int] = []
-    finish: FinishReason = "length"
-    while len(new) < options.max_new_tokens:
-        if decoder.length + 1 > decoder.capacity:
-            finish = "capacity"
-            break
-        t0 = time.perf_counter()
-        logits = decoder.forward_token(pending)
-        t1 = time.perf_counter()
-        if options.temperature == 0:  # the point mass on the argmax, without building it
-            check_logits(logits)
-            tok = int(np.argmax(logits))
-        else:
-            p_target = warp(logits, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
-            tok = sample_from(p_target, rng)
-        t2 = time.perf_counter()
-        counters.model_seconds += t1 - t0
-        counters.sample_seconds += t2 - t1
-        counters.forward_token_calls += 1
-        counters.bonus += 1
-        new.append(tok)
-        pending = tok
-        yield [tok]
-        if tok in stops:
-            finish = "stop"
-            break
-    counters.total_seconds = time.perf_counter() - t_start
-    counters.ort_seconds = decoder.ort_seconds - ort_start
-    return SpeculativeDecodeResult(new, finish, counters)
+    dec, ids = check_decode_inputs(decoder, prompt, options)
+    return run_to_end(decode_steps(dec, ids, None, options, claim=decoder))
 
 
 def speculative_decode_with(
@@ -172,22 +109,31 @@ def speculative_decode_with(
 ) -> SpeculativeDecodeResult:
     """Speculative decoding with any drafter; the output is distributed exactly as `plain_decode`'s.
     """
-    return DecodeStream(
-        speculative_decode_steps(decoder, prompt, drafter, options, draft_length=draft_length)
-    ).run()
+    dec, ids = check_decode_inputs(decoder, prompt, options)
+    check_drafter(drafter)
+    return run_to_end(decode_steps(dec, ids, drafter, options, draft_length=draft_length,
+                                   claim=decoder))
 
 
-def speculative_decode_steps(
+def decode_steps(
     decoder: Decoder,
-    prompt: Sequence[int],
-    drafter: Drafter,
+    prompt: list[int],
+    drafter: Drafter | None,
     options: SpeculativeOptions,
     *,
     draft_length: DraftLengthPolicy | None = None,
     counters: DecodeCounters | None = None,
-) -> Generator[list[int], None, SpeculativeDecodeResult]:
-    """`speculative_decode_with` as a generator of the tokens each step emits. `counters` (a
-    fresh one by default) is filled in as the decode goes.
+    claim: object = None,
+) -> Steps:
+    """The decode loop as a generator of the tokens each target call emits; returns the
+    `SpeculativeDecodeResult`. `drafter=None` is plain decoding (one `forward_token` per token);
+    otherwise speculative decoding with `drafter`, whose output is distributed exactly as the
+    plain decode's. `counters` (a fresh one by default) is filled in as the decode goes, so a
+    caller that stops early still has the counts so far.
+
+    The prompt and options are taken as checked (`check_decode_inputs`, or
+    `ortspec.runtime.request.check_request` for a model's request); the decoder passes through
+    `as_decoder` here, so a decoder with only the seven members of `Decoder` decodes too.
 
     Per request: `drafter.begin(options, draft_length)` and `draft_length.begin(options)`.
     Per step: ask the drafter for up to k tokens (k bounded by `options.max_draft_len`, the
@@ -200,108 +146,145 @@ def speculative_decode_steps(
     chooses from the history, the draft and what earlier steps showed, never from the random
     draws of the verify it sizes, so the output distribution is unchanged.
 
-    The decoder, drafter and policy are held for the whole decode: another decode reaching for
-    one of them meanwhile raises ConcurrentUseError.
+    The decoder (`claim`, when the caller holds it under another name: the object it was given
+    before `as_decoder`), drafter and policy are held for the whole decode: another decode
+    reaching for one of them meanwhile raises ConcurrentUseError.
     """
-    prompt = _check_prompt(decoder, prompt, options)
-    if not isinstance(drafter, Drafter):
-        raise DrafterError(
-            f"a drafter needs begin(options, draft_length), propose(history, max_tokens) and "
-            f"observe_target(start, logits) methods (subclass ortspec.runtime.DrafterBase for a "
-            f"begin and an observe_target that do nothing); got "
-            f"{type(drafter).__name__}")
-    with _claim(decoder=decoder, drafter=drafter, policy=draft_length):
-        counters = counters if counters is not None else DecodeCounters()
-        return (yield from _speculative_steps(decoder, prompt, drafter, options, draft_length, counters))
+    held = decoder if claim is None else claim
+    decoder = as_decoder(decoder)
+    counters = counters if counters is not None else DecodeCounters()
+    if drafter is None:
+        return _plain_steps(decoder, held, prompt, options, counters)
+    return _speculative_steps(decoder, held, prompt, drafter, options, draft_length, counters)
 
 
-def _speculative_steps(decoder: Decoder, prompt: list[int], drafter: Drafter,
-                       options: SpeculativeOptions, draft_length: DraftLengthPolicy | None,
-                       counters: DecodeCounters) -> Generator[list[int], None, SpeculativeDecodeResult]:
-    t_start = time.perf_counter()
-    ort_start = decoder.ort_seconds
-    rng = np.random.default_rng(options.seed)
-    stops = frozenset(options.stop_token_ids)
-    vocab = decoder.vocab_size
-    verify_cap = decoder.max_verify_len
-    history = TokenHistory(prompt)  # the drafter sees this list; it only ever grows
-    drafter.begin(options, draft_length)
-    if draft_length is not None:
-        draft_length.begin(options)
-    pending = _prefill(decoder, prompt, counters)
-    n_new = 0
-    finish: FinishReason = "length"
-    while n_new < options.max_new_tokens:
-        room = decoder.capacity - decoder.length  # tokens the cache can still take
-        if room < 1:
-            finish = "capacity"
-            break
-        k_max = min(options.max_new_tokens - n_new - 1, room - 1)
-        if options.max_draft_len is not None:
-            k_max = min(k_max, options.max_draft_len)
-        if verify_cap is not None:
-            k_max = min(k_max, verify_cap - 1)
-        block = proposed = DraftBlock.empty()
-        if k_max > 0:
+def _plain_steps(decoder: Decoder, held: object, prompt: list[int], options: SpeculativeOptions,
+                 counters: DecodeCounters) -> Steps:
+    with _claim(decoder=held):
+        t_start = time.perf_counter()
+        ort_start = decoder.ort_seconds
+        rng = np.random.default_rng(options.seed)
+        stops = frozenset(options.stop_token_ids)
+        pending = _prefill(decoder, prompt, counters)
+        new: list[int] = []
+        finish: FinishReason = "length"
+        while len(new) < options.max_new_tokens:
+            if decoder.length + 1 > decoder.capacity:
+                finish = "capacity"
+                break
             t0 = time.perf_counter()
-            block = proposed = drafter.propose(history, k_max)
-            _check_block(block, k_max, vocab)
-            if draft_length is not None and len(block):
-                block = block.truncated(max(0, int(draft_length.choose(block))))
-            counters.draft_seconds += time.perf_counter() - t0
-        base = decoder.length
-        t0 = time.perf_counter()
-        if len(block):
-            logits = decoder.forward_batch([pending, *block.tokens])  # [k + 1, vocab]
-            counters.verify_calls += 1
-        else:
-            logits = decoder.forward_token(pending)[None, :]  # [1, vocab]
+            logits = decoder.forward_token(pending)
+            t1 = time.perf_counter()
+            if options.temperature == 0:  # the point mass on the argmax, without building it
+                check_logits(logits)
+                tok = int(np.argmax(logits))
+            else:
+                p_target = warp(logits, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
+                tok = sample_from(p_target, rng)
+            t2 = time.perf_counter()
+            counters.model_seconds += t1 - t0
+            counters.sample_seconds += t2 - t1
             counters.forward_token_calls += 1
-        t1 = time.perf_counter()
-        outcome = verify_block(
-            logits, block, rng, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p
-        )
-        counters.model_seconds += t1 - t0
-        t2 = time.perf_counter()
-        counters.sample_seconds += t2 - t1
-        if draft_length is not None:
-            draft_length.observe_cost(len(block) + 1, t2 - t0)
-            first_accept_prob = None
-            if not len(block) and len(proposed) and outcome.p_bonus is not None:
-                # the plain step's own target row says how likely the first draft was to pass
-                d0 = proposed.dists[0]
-                first_accept_prob = float(np.minimum(outcome.p_bonus[d0.token_ids], d0.probs).sum())
-            draft_length.observe(proposed, len(block), outcome.n_accepted, outcome.tokens[0],
-                                 first_accept_prob=first_accept_prob)
-        # emit one by one: a stop token ends the decode even inside an accepted block
-        emitted = 0
-        for tok in outcome.tokens:
-            history.append(tok)
-            emitted += 1
+            counters.bonus += 1
+            new.append(tok)
+            pending = tok
+            yield [tok]
             if tok in stops:
                 finish = "stop"
                 break
-        n_new += emitted
-        # the rows of the emitted positions, for a drafter that keeps the target's distributions
-        t3 = time.perf_counter()
-        drafter.observe_target(len(history) - emitted, logits[:emitted])
-        counters.draft_seconds += time.perf_counter() - t3
-        counters._count_block(block, min(outcome.n_accepted, emitted))
-        if emitted > outcome.n_accepted:
-            if outcome.recovered:
-                counters.recovered += 1
+        counters.total_seconds = time.perf_counter() - t_start
+        counters.ort_seconds = decoder.ort_seconds - ort_start
+        return SpeculativeDecodeResult(new, finish, counters)
+
+
+def _speculative_steps(decoder: Decoder, held: object, prompt: list[int], drafter: Drafter,
+                       options: SpeculativeOptions, draft_length: DraftLengthPolicy | None,
+                       counters: DecodeCounters) -> Steps:
+    with _claim(decoder=held, drafter=drafter, policy=draft_length):
+        t_start = time.perf_counter()
+        ort_start = decoder.ort_seconds
+        rng = np.random.default_rng(options.seed)
+        stops = frozenset(options.stop_token_ids)
+        vocab = decoder.vocab_size
+        verify_cap = decoder.max_verify_len
+        history = TokenHistory(prompt)  # the drafter sees this list; it only ever grows
+        drafter.begin(options, draft_length)
+        if draft_length is not None:
+            draft_length.begin(options)
+        pending = _prefill(decoder, prompt, counters)
+        n_new = 0
+        finish: FinishReason = "length"
+        while n_new < options.max_new_tokens:
+            room = decoder.capacity - decoder.length  # tokens the cache can still take
+            if room < 1:
+                finish = "capacity"
+                break
+            k_max = min(options.max_new_tokens - n_new - 1, room - 1)
+            if options.max_draft_len is not None:
+                k_max = min(k_max, options.max_draft_len)
+            if verify_cap is not None:
+                k_max = min(k_max, verify_cap - 1)
+            block = proposed = DraftBlock.empty()
+            if k_max > 0:
+                t0 = time.perf_counter()
+                block = proposed = drafter.propose(history, k_max)
+                _check_block(block, k_max, vocab)
+                if draft_length is not None and len(block):
+                    block = block.truncated(max(0, int(draft_length.choose(block))))
+                counters.draft_seconds += time.perf_counter() - t0
+            base = decoder.length
+            t0 = time.perf_counter()
+            if len(block):
+                logits = decoder.forward_batch([pending, *block.tokens])  # [k + 1, vocab]
+                counters.verify_calls += 1
             else:
-                counters.bonus += 1
-        # the cache keeps pending + the accepted drafts that were emitted, except the last
-        # emitted token, which becomes the new pending one
-        decoder.truncate(base + emitted)
-        pending = history[-1]
-        yield history[len(history) - emitted :]
-        if finish == "stop":
-            break
-    counters.total_seconds = time.perf_counter() - t_start
-    counters.ort_seconds = decoder.ort_seconds - ort_start
-    return SpeculativeDecodeResult(history[len(prompt):], finish, counters)
+                logits = decoder.forward_token(pending)[None, :]  # [1, vocab]
+                counters.forward_token_calls += 1
+            t1 = time.perf_counter()
+            outcome = verify_block(
+                logits, block, rng, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p
+            )
+            counters.model_seconds += t1 - t0
+            t2 = time.perf_counter()
+            counters.sample_seconds += t2 - t1
+            if draft_length is not None:
+                draft_length.observe_cost(len(block) + 1, t2 - t0)
+                first_accept_prob = None
+                if not len(block) and len(proposed) and outcome.p_bonus is not None:
+                    # the plain step's own target row says how likely the first draft was to pass
+                    d0 = proposed.dists[0]
+                    first_accept_prob = float(np.minimum(outcome.p_bonus[d0.token_ids], d0.probs).sum())
+                draft_length.observe(proposed, len(block), outcome.n_accepted, outcome.tokens[0],
+                                     first_accept_prob=first_accept_prob)
+            # emit one by one: a stop token ends the decode even inside an accepted block
+            emitted = 0
+            for tok in outcome.tokens:
+                history.append(tok)
+                emitted += 1
+                if tok in stops:
+                    finish = "stop"
+                    break
+            n_new += emitted
+            # the rows of the emitted positions, for a drafter that keeps the target's distributions
+            t3 = time.perf_counter()
+            drafter.observe_target(len(history) - emitted, logits[:emitted])
+            counters.draft_seconds += time.perf_counter() - t3
+            counters.count_block(block, min(outcome.n_accepted, emitted))
+            if emitted > outcome.n_accepted:
+                if outcome.recovered:
+                    counters.recovered += 1
+                else:
+                    counters.bonus += 1
+            # the cache keeps pending + the accepted drafts that were emitted, except the last
+            # emitted token, which becomes the new pending one
+            decoder.truncate(base + emitted)
+            pending = history[-1]
+            yield history[len(history) - emitted :]
+            if finish == "stop":
+                break
+        counters.total_seconds = time.perf_counter() - t_start
+        counters.ort_seconds = decoder.ort_seconds - ort_start
+        return SpeculativeDecodeResult(history[len(prompt):], finish, counters)
 
 
 def _check_block(block: DraftBlock, k_max: int, vocab: int) -> None:

@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, Sequence
 
-from ..errors import InvalidOptionError
+from ..errors import InvalidOptionError, InvalidPromptError
 from ..validation import check_int, is_int
 from .counters import DecodeCounters
 from .sampling import check_sampling_options
@@ -54,3 +54,34 @@ class SpeculativeDecodeResult:
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
+
+
+def check_options(options: object) -> SpeculativeOptions:
+    """InvalidOptionError unless `options` is a SpeculativeOptions (which checked its fields)."""
+    if not isinstance(options, SpeculativeOptions):
+        raise InvalidOptionError(f"options must be a SpeculativeOptions, got {type(options).__name__}")
+    return options
+
+
+def check_prompt(prompt: Sequence[int], *, vocab_size: int, capacity: int) -> list[int]:
+    """The prompt as a list of ints, or InvalidPromptError: a non-empty sequence of token ids in
+    0..vocab_size-1, at most `capacity` of them. An error about one token sets `token_index` and
+    `token` on it, one about the length `length` and `capacity`, for a caller that answers in
+    words of its own (the server)."""
+    if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
+        raise InvalidPromptError(f"the prompt must be a sequence of token ids, got {type(prompt).__name__}")
+    prompt = list(prompt)
+    if not prompt:
+        raise InvalidPromptError("the prompt is empty; at least one token is needed")
+    for i, t in enumerate(prompt):
+        if not is_int(t) or not 0 <= t < vocab_size:
+            error = InvalidPromptError(
+                f"prompt token {i} is {t!r}; token ids must be integers in 0..{vocab_size - 1}")
+            error.token_index, error.token = i, t
+            raise error
+    if len(prompt) > capacity:
+        error = InvalidPromptError(
+            f"the prompt has {len(prompt)} tokens; the model's KV capacity is {capacity}")
+        error.length, error.capacity = len(prompt), capacity
+        raise error
+    return [int(t) for t in prompt]

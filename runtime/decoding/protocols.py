@@ -2,7 +2,9 @@
 
 The loop calls exactly what these declare, nothing it has to discover. Optional behaviour has a
 documented no-op default in a small base class (`DecoderBase`, `DrafterBase`), so a new drafter
-needs only `propose`:
+needs only `propose`, and a decoder only the seven members of `Decoder`: every entry point that
+takes a decoder passes it through `as_decoder`, which supplies `DecoderBase`'s defaults for
+what it lacks.
 
     class RepeatLast(DrafterBase):
         def propose(self, history, max_tokens):
@@ -11,9 +13,12 @@ needs only `propose`:
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 import numpy as np
+
+from ..errors import DecoderContractError, DrafterError
 
 if TYPE_CHECKING:
     from .options import SpeculativeOptions
@@ -24,19 +29,20 @@ FALLBACK_PREFILL_CHUNK = 64  # tokens per call when a decoder states no max_veri
 
 @runtime_checkable
 class Decoder(Protocol):
-    """A target (or draft) model with a KV cache of fixed capacity.
+    """A target (or draft) model with a KV cache of fixed capacity: these seven members.
 
     The cache holds the tokens fed so far (`length` of them). `forward_batch` appends a block
     in one call and returns the logits after each of its tokens; `truncate` rolls the cache back
-    to a shorter length in O(1). `max_verify_len` is the longest block one call verifies
-    efficiently (None: no limit); `prefill` feeds a prompt without returning every row's logits;
-    `ort_seconds` counts the time spent inside the model runtime (0 for a NumPy model).
+    to a shorter length in O(1).
+
+    Optional members, with `DecoderBase`'s defaults where a decoder lacks them (`as_decoder`):
+    `max_verify_len`, the longest block one call verifies efficiently (None: no limit);
+    `prefill(tokens)`, which feeds a prompt without returning every row's logits ([vocab], the
+    last row's); `ort_seconds`, the time spent inside the model runtime (0 for a NumPy model).
     """
 
     vocab_size: int
     capacity: int  # most tokens the KV buffers hold
-    max_verify_len: int | None
-    ort_seconds: float
 
     @property
     def length(self) -> int: ...  # tokens currently in the cache
@@ -47,9 +53,12 @@ class Decoder(Protocol):
 
     def forward_batch(self, tokens: Sequence[int]) -> np.ndarray: ...  # [n, vocab] logits
 
-    def prefill(self, tokens: Sequence[int]) -> np.ndarray: ...  # [vocab] logits after the last
-
     def truncate(self, length: int) -> None: ...
+
+
+DECODER_MEMBERS = ("vocab_size", "capacity", "length", "reset", "forward_token", "forward_batch",
+                   "truncate")
+OPTIONAL_DECODER_MEMBERS = ("max_verify_len", "prefill", "ort_seconds")
 
 
 class DecoderBase:
@@ -63,6 +72,78 @@ class DecoderBase:
     def prefill(self, tokens: Sequence[int]) -> np.ndarray:  # [vocab]
         chunk = self.max_verify_len or FALLBACK_PREFILL_CHUNK
         return prefill_in_chunks(self, tokens, chunk)  # type: ignore[arg-type]
+
+
+def _has(obj: object, name: str) -> bool:
+    """`obj` has the attribute `name`, found without running it (a property is not called)."""
+    return inspect.getattr_static(obj, name, _MISSING) is not _MISSING
+
+
+_MISSING = object()
+
+
+def as_decoder(decoder: object, *, role: str = "decoder") -> "Decoder":
+    """`decoder` as the decode loop calls it: itself when it has every optional member too,
+    else a `DecoderDefaults` over it. An object lacking one of the seven members of `Decoder`
+    is refused with DecoderContractError naming what it lacks, before anything is called on it.
+    `role` names it in the message ("draft decoder")."""
+    missing = [name for name in DECODER_MEMBERS if not _has(decoder, name)]
+    if missing:
+        raise DecoderContractError(
+            f"the {role} ({type(decoder).__name__}) lacks {', '.join(missing)}: a Decoder needs "
+            f"{', '.join(DECODER_MEMBERS)} (optional: {', '.join(OPTIONAL_DECODER_MEMBERS)})")
+    if all(_has(decoder, name) for name in OPTIONAL_DECODER_MEMBERS):
+        return decoder  # type: ignore[return-value]
+    return DecoderDefaults(decoder)  # type: ignore[arg-type]
+
+
+class DecoderDefaults(DecoderBase):
+    """A decoder with only the seven members of `Decoder`, and `DecoderBase`'s defaults for any
+    optional one it lacks. Every member is read through to the wrapped decoder when called, so
+    `length` (and the rest) stay live."""
+
+    def __init__(self, decoder: "Decoder") -> None:
+        self.decoder = decoder
+
+    @property
+    def vocab_size(self) -> int:  # type: ignore[override]
+        return self.decoder.vocab_size
+
+    @property
+    def capacity(self) -> int:  # type: ignore[override]
+        return self.decoder.capacity
+
+    @property
+    def length(self) -> int:
+        return self.decoder.length
+
+    @property
+    def max_verify_len(self) -> int | None:  # type: ignore[override]
+        return getattr(self.decoder, "max_verify_len", None)
+
+    @property
+    def ort_seconds(self) -> float:  # type: ignore[override]
+        return getattr(self.decoder, "ort_seconds", 0.0)
+
+    def reset(self) -> None:
+        self.decoder.reset()
+
+    def forward_token(self, token: int) -> np.ndarray:  # [vocab]
+        return self.decoder.forward_token(token)
+
+    def forward_batch(self, tokens: Sequence[int]) -> np.ndarray:  # [n, vocab]
+        return self.decoder.forward_batch(tokens)
+
+    def truncate(self, length: int) -> None:
+        self.decoder.truncate(length)
+
+    def prefill(self, tokens: Sequence[int]) -> np.ndarray:  # [vocab]
+        if _has(self.decoder, "prefill"):
+            return self.decoder.prefill(tokens)  # type: ignore[attr-defined]
+        return super().prefill(tokens)
+
+    def __repr__(self) -> str:
+        return f"DecoderDefaults({self.decoder!r})"
 
 
 def prefill_in_chunks(decoder: Decoder, tokens: Sequence[int], chunk: int) -> np.ndarray:
@@ -131,6 +212,16 @@ class Drafter(Protocol):
     def propose(self, history: Sequence[int], max_tokens: int) -> "DraftBlock": ...
 
     def observe_target(self, start: int, logits: np.ndarray) -> None: ...  # logits: [n, vocab]
+
+
+def check_drafter(drafter: object) -> None:
+    """DrafterError unless `drafter` has the three methods of `Drafter`."""
+    if not isinstance(drafter, Drafter):
+        raise DrafterError(
+            f"a drafter needs begin(options, draft_length), propose(history, max_tokens) and "
+            f"observe_target(start, logits) methods (subclass ortspec.runtime.DrafterBase for a "
+            f"begin and an observe_target that do nothing); got "
+            f"{type(drafter).__name__}")
 
 
 class DrafterBase:

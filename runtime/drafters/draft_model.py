@@ -36,7 +36,7 @@ import numpy as np
 from ..errors import DrafterError, InvalidOptionError
 from ..decoding.history import TokenHistory
 from ..ort.decoder import OrtDecoder
-from ..decoding.protocols import Decoder, DraftLengthPolicy, DrafterBase
+from ..decoding.protocols import Decoder, DraftLengthPolicy, DrafterBase, as_decoder
 from ..decoding.sampling import DraftBlock, DraftDist, check_sampling_options, sample_from, warp
 from ..validation import check_int
 
@@ -73,7 +73,8 @@ class DraftModelDrafter(DrafterBase):
     chance a drafted token is accepted before anything is learned (e.g. the top-1 agreement the
     export measured between draft and target); the draft-length policy starts from it.
     `context`: the most history tokens the draft is first fed (None: all; see the module
-    docstring). `fed_tokens` counts the tokens fed to the draft model (prefill included). A
+    docstring). `decoder` needs only the seven members of `Decoder` (`as_decoder`).
+    `fed_tokens` counts the tokens fed to the draft model (prefill included). A
     decoder sharing its target's KV buffers drafts from the target's cache (module docstring).
     """
 
@@ -90,6 +91,7 @@ class DraftModelDrafter(DrafterBase):
         prior: float | None = None,
         context: int | None = None,
     ) -> None:
+        decoder = as_decoder(decoder, role="draft decoder")  # DecoderBase's defaults if needed
         check_int("max_draft_len", max_draft_len, minimum=0)
         # a draft on its target's KV buffers drafts from the target's cache: nothing to sync
         self._follows = isinstance(decoder, OrtDecoder) and decoder.kv_owner is not None

@@ -14,6 +14,7 @@ profile per entry point (step: S = 1; verify: S = 1..max_verify_len), KV buffers
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,31 +38,58 @@ def available_providers() -> list[str]:
     return list(ort.get_available_providers())
 
 
+@dataclasses.dataclass(frozen=True)
+class ProviderChoice:
+    """Execution providers chosen once (a load of a target and its draft, a command line): the
+    caller's names, checked against this onnxruntime, with the caller's options; or, when the
+    caller named none (`explicit` False), the default order among those available. Each model
+    directory then gets its own defaults from it (`for_model`): the providers its graph is
+    built for, TensorRT's profiles and engine cache."""
+
+    chosen: tuple[tuple[str, dict[str, Any]], ...]
+    explicit: bool
+
+    def for_model(self, manifest: mf.Manifest | None = None,
+                  model_dir: str | Path | None = None) -> list[tuple[str, dict[str, Any]]]:
+        """(name, options) pairs for `InferenceSession(providers=...)`, best first."""
+        chosen = list(self.chosen)
+        if not self.explicit:
+            wanted = _graph_providers(manifest)
+            chosen = [(name, options) for name, options in chosen if name in wanted] or [(CPU, {})]
+        return [(name, _with_defaults(name, options, manifest, model_dir)) for name, options in chosen]
+
+
+def choose_providers(providers: "Sequence[ProviderSpec] | str | ProviderChoice | None" = None
+                     ) -> ProviderChoice:
+    """The caller's `providers` checked once against this onnxruntime (a `ProviderChoice` passes
+    through). Raises ProviderError when an explicitly requested provider is not offered,
+    naming the ones that are."""
+    if isinstance(providers, ProviderChoice):
+        return providers
+    available = available_providers()
+    if providers is None:
+        return ProviderChoice(tuple((name, {}) for name in DEFAULT_ORDER if name in available),
+                              explicit=False)
+    chosen = [_parse_one(p, available) for p in _as_list(providers)]
+    if not chosen:
+        raise ProviderError(f"providers=[] names no execution provider; available: "
+                            f"{', '.join(available)}")
+    return ProviderChoice(tuple(chosen), explicit=True)
+
+
 def resolve_providers(
-    providers: Sequence[ProviderSpec] | str | None = None,
+    providers: "Sequence[ProviderSpec] | str | ProviderChoice | None" = None,
     *,
     manifest: mf.Manifest | None = None,
     model_dir: str | Path | None = None,
 ) -> list[tuple[str, dict[str, Any]]]:
-    """(name, options) pairs for `InferenceSession(providers=...)`, best first.
+    """(name, options) pairs for `InferenceSession(providers=...)`, best first:
+    `choose_providers(providers).for_model(manifest, model_dir)`.
 
     Raises ProviderError when an explicitly requested provider is not offered by this
     onnxruntime, naming the ones that are.
     """
-    available = available_providers()
-    if providers is None:
-        wanted = _graph_providers(manifest)
-        chosen: list[tuple[str, dict[str, Any]]] = [
-            (name, {}) for name in DEFAULT_ORDER if name in available and name in wanted
-        ]
-        if not chosen:
-            chosen = [(CPU, {})]
-    else:
-        chosen = [_parse_one(p, available) for p in _as_list(providers)]
-        if not chosen:
-            raise ProviderError(f"providers=[] names no execution provider; available: "
-                                f"{', '.join(available)}")
-    return [(name, _with_defaults(name, options, manifest, model_dir)) for name, options in chosen]
+    return choose_providers(providers).for_model(manifest, model_dir)
 
 
 def kv_device(providers: Sequence[tuple[str, dict[str, Any]]]) -> tuple[str, int]:

@@ -21,7 +21,7 @@ from onnxruntime.capi import onnxruntime_pybind11_state as _ort_errors
 
 from . import manifest as mf
 from ..errors import InvalidOptionError, ManifestError
-from .providers import TENSORRT, default_kv_mode, kv_device, resolve_providers
+from .providers import TENSORRT, choose_providers, default_kv_mode, kv_device
 from .row_invariance import lone_rows_exact
 from ..validation import check_int
 
@@ -84,7 +84,8 @@ class OrtSessions:
         self.min_call_rows: int = m.min_call_rows
         self.capacity: int = m.capacity - m.reserved_slots
         self.max_verify_len: int = m.entry_points["verify"].max_len
-        self.provider_config = resolve_providers(providers, manifest=m, model_dir=self.model_dir)
+        # a ProviderChoice (load_model's, made once for a target and its draft) or a spec
+        self.provider_config = choose_providers(providers).for_model(m, self.model_dir)
         if m.min_call_rows < m.min_attention_rows and not self._lone_rows_exact(threads):
             self.min_call_rows = m.min_attention_rows  # this machine's kernels: pad calls
         self.kv_mode: str = kv_mode or default_kv_mode(self.provider_config)

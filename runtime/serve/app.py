@@ -28,7 +28,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ModelBusyError, OrtspecError
-from .engine import Engine, Outcome, Piece, QueueFull
+from ..model import Model
+from .engine import Engine, Outcome, Piece, QueueFull, Ticket
 from .metrics import CONTENT_TYPE_LATEST
 from .protocol import (
     ApiError,
@@ -66,7 +67,7 @@ async def _json_body(request: Request) -> Any:
         raise invalid(None, f"the request body is not valid JSON: {e}") from None
 
 
-def create_app(model: Any, *, model_name: str, drafter: str = "prompt-lookup",
+def create_app(model: Model, *, model_name: str, drafter: str = "prompt-lookup",
                max_concurrent: int = 4, max_queue: int = 64) -> FastAPI:
     engine = Engine(model, drafter=drafter, max_concurrent=max_concurrent, max_queue=max_queue)
     info = ModelInfo.of(model, name=model_name)
@@ -168,7 +169,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None
     return task.result()
 
 
-async def _complete(engine: Engine, req: GenerationRequest, ticket: Any, arrived: float,
+async def _complete(engine: Engine, req: GenerationRequest, ticket: Ticket, arrived: float,
                     ids: ResponseIds, drafter: str) -> dict[str, Any]:
     outcome: Outcome | None = None
     events = engine.run(req, ticket, arrived)
@@ -184,7 +185,7 @@ async def _complete(engine: Engine, req: GenerationRequest, ticket: Any, arrived
                          speculative_section(outcome.counters, drafter))
 
 
-async def _stream(engine: Engine, req: GenerationRequest, ticket: Any, arrived: float,
+async def _stream(engine: Engine, req: GenerationRequest, ticket: Ticket, arrived: float,
                   ids: ResponseIds, drafter: str) -> AsyncIterator[Any]:
     """The SSE events of one streamed request: OpenAI's chunks, then `[DONE]`."""
     events = engine.run(req, ticket, arrived)

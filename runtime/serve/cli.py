@@ -91,12 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     needs_draft = args.drafter in NEEDS_DRAFT_MODEL
     if args.ray:
         return _serve_on_ray(args, path, needs_draft)
+    # the cost curve read or measured now, not in a request
     model = load_model(path, providers=providers_arg(args.providers), threads=args.threads,
                        draft=(args.draft or True) if needs_draft else None,
                        max_concurrent=args.max_concurrent, when_busy="wait",
-                       busy_timeout=BUSY_TIMEOUT_SECONDS, prefix_cache_mib=args.prefix_cache_mib)
-    if args.drafter != "none":
-        model.draft_length_policy()  # read or measure the cost curve now, not in a request
+                       busy_timeout=BUSY_TIMEOUT_SECONDS, prefix_cache_mib=args.prefix_cache_mib,
+                       calibrate=args.drafter != "none")
     name = args.served_model_name or os.path.basename(os.path.abspath(path))
     if not args.served_model_name and args.model is None and path == default_model_path(batched=True):
         name = DEFAULT_MODEL_NAME  # the same model as the plain export, under the same id

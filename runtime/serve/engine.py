@@ -2,14 +2,15 @@
 
 The event loop never decodes. A request takes a place in `Admission` (running up to
 `max_running`, then waiting up to `max_waiting`, else `QueueFull`), then one worker thread runs
-its whole decode (`Model.stream`, with stop strings matched on the text) and hands each piece
+its whole decode (`Model.start`, its tokens turned into text by a `Detokenizer`, with stop
+strings matched on the text) and hands each piece
 of text back to the loop (pieces that arrive while the loop is busy go out as one; a request
 not streamed gets its whole text at the end, waking the loop once). When the client goes away
 the consumer sets the request's cancel event; the worker stops after the step in progress and
 closes the stream, which gives the model's decode slot back, and only then is the place in
 `Admission` released.
 
-A decode cut short (a stop string, a client gone) still reports what it did: the stream's
+A decode cut short (a stop string, a client gone) still reports what it did: the token stream's
 `.tokens` and `.counters` hold what was emitted and counted up to the close.
 """
 
@@ -21,9 +22,11 @@ import concurrent.futures
 import dataclasses
 import threading
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import AsyncIterator, Callable
 
 from ..decoding.counters import DecodeCounters
+from ..model import Model
+from ..text import Detokenizer
 from .metrics import ServerMetrics
 from .protocol import GenerationRequest, finish_reason
 from .stops import StopMatcher, tokens_through
@@ -124,10 +127,10 @@ _FIRST = object()  # a request not streamed: the first text exists (time to firs
 
 
 class Engine:
-    def __init__(self, model: Any, *, drafter: str, max_concurrent: int, max_queue: int) -> None:
+    def __init__(self, model: Model, *, drafter: str, max_concurrent: int, max_queue: int) -> None:
         self.model, self.drafter = model, drafter
         self.admission = Admission(max_running=max_concurrent, max_waiting=max_queue)
-        runner = model.runner  # a Model; its BatchRunner when it batches
+        runner = model.runner  # its BatchRunner when it batches
         self.metrics = ServerMetrics(running=lambda: self.admission.running,
                                      waiting=lambda: self.admission.waiting,
                                      batch=runner.stats if runner is not None else None)
@@ -211,8 +214,10 @@ class Engine:
 
     def _decode(self, request: GenerationRequest, post: Callable[[object], None],
                 cancel: threading.Event) -> Outcome:
-        stream = self.model.stream(request.prompt_ids, drafter=self.drafter,
-                                   options=request.options)
+        # checked by the protocol (check_request) already; the request's set-up is done here
+        stream = self.model.start(request.prompt_ids, drafter=self.drafter,
+                                  options=request.options)
+        detok = Detokenizer(self.model.decode)
         matcher = StopMatcher(request.stop)
         texts: list[str] = []  # a request not streamed: its text, sent once at the end
 
@@ -225,18 +230,21 @@ class Engine:
                 texts.append(text)
 
         cancelled = False
-        pieces = iter(stream)
         try:
-            for piece in pieces:  # one piece per decode step, mostly
+            for ids in stream:  # the tokens of one target call
                 if cancel.is_set():
                     cancelled = True
                     break
-                if out := matcher.feed(piece):
+                if (piece := detok.add(ids)) and (out := matcher.feed(piece)):
                     emit(out)
                 if matcher.stopped:
                     break
+            else:  # the decode ended: the text its last token completed, if any
+                assert stream.result is not None
+                if (tail := detok.finish(stream.result.text)) and (out := matcher.feed(tail)):
+                    emit(out)
         finally:
-            pieces.close()  # a stream cut short gives its slot back here
+            stream.close()  # a stream cut short gives its slot back here
         if cancelled:
             return Outcome("cancelled", len(stream.tokens), stream.counters)
         if matcher.stopped:
@@ -245,6 +253,7 @@ class Engine:
         if tail := matcher.flush():
             emit(tail)
         result = stream.result
+        assert result is not None
         return Outcome(finish_reason(result.finish_reason), result.num_tokens, result.counters,
                        "".join(texts))
 

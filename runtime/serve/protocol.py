@@ -2,7 +2,9 @@
 bodies and stream chunks built from what a decode did. Plain functions, no web framework.
 
 Every check runs before any decoding and raises `ApiError` naming the field (`param`), the
-value and what is allowed; `ApiError.body()` is OpenAI's `{"error": {...}}` shape.
+value and what is allowed; `ApiError.body()` is OpenAI's `{"error": {...}}` shape. What the
+model itself would refuse is checked by the runtime's own validators, in OpenAI's words here:
+the prompt's token ids by `request.check_request`, the sampling options by `SpeculativeOptions`.
 
     info = ModelInfo.of(model, name="smollm2")
     request = parse_chat(json_body, info)     # or parse_completion
@@ -19,7 +21,10 @@ from typing import Any, Callable, Literal
 
 from ..decoding.counters import DecodeCounters
 from ..decoding.options import SpeculativeOptions
+from ..errors import InvalidOptionError, InvalidPromptError
+from ..model import Model
 from ..ort.manifest import ChatFormat
+from ..request import ModelFacts, check_request
 from ..validation import is_int
 
 Kind = Literal["chat", "completion"]
@@ -64,10 +69,15 @@ class ModelInfo:
     encode: Callable[[str], list[int]]  # text -> token ids, BOS as the model wants it
 
     @classmethod
-    def of(cls, model: Any, *, name: str) -> "ModelInfo":
+    def of(cls, model: Model, *, name: str) -> "ModelInfo":
         return cls(name=name, capacity=model.capacity,
                    vocab_size=model.manifest.architecture.vocab_size,
                    chat_format=model.manifest.chat_format, encode=model.encode)
+
+    @property
+    def facts(self) -> ModelFacts:
+        """What `check_request` checks a prompt against."""
+        return ModelFacts(vocab_size=self.vocab_size, capacity=self.capacity, path=self.name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,21 +142,48 @@ def _check_unsupported(body: dict) -> None:
 
 
 def _sampling(body: dict) -> tuple[float, int | None, float | None, int | None]:
+    """The sampling fields in OpenAI's meaning (temperature 1 by default, top_k -1 and top_p 1
+    for no limit); their ranges are SpeculativeOptions' to check (`_options`)."""
     temperature = _number(body, "temperature", 1.0)
     assert temperature is not None
-    if temperature < 0:
-        raise invalid("temperature", f"temperature must be >= 0, got {body['temperature']!r}")
     top_p = _number(body, "top_p", None)
-    if top_p is not None and not 0 < top_p <= 1:
-        raise invalid("top_p", f"top_p must be in (0, 1], got {body['top_p']!r}")
     top_k = _integer(body, "top_k")
-    if top_k is not None and top_k != -1 and top_k < 1:
-        raise invalid("top_k", f"top_k must be an integer >= 1, or -1 for no limit, got {top_k!r}")
     seed = _integer(body, "seed")
-    if seed is not None and seed < 0:
-        raise invalid("seed", f"seed must be an integer >= 0, got {seed!r}")
     return (temperature, None if top_k in (None, -1) else top_k,
-            None if top_p in (None, 1.0) else top_p, seed)
+            None if top_p == 1.0 else top_p, seed)
+
+
+OPTION_FIELDS = ("temperature", "top_k", "top_p", "seed")  # body fields named as the options
+
+
+def _options(sampling: tuple[float, int | None, float | None, int | None], max_new: int
+             ) -> SpeculativeOptions:
+    """SpeculativeOptions from `_sampling`'s fields; its own check's error as a 400 naming the
+    field (an option's error message begins with the option's name)."""
+    temperature, top_k, top_p, seed = sampling
+    try:
+        return SpeculativeOptions(max_new, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  seed=seed)
+    except InvalidOptionError as e:
+        field = str(e).split(" ", 1)[0]
+        raise invalid(field if field in OPTION_FIELDS else None, str(e)) from None
+
+
+def _check_prompt(body: dict, ids: list[int], info: ModelInfo) -> list[int]:
+    """`check_request` on the prompt's token ids, its refusal in OpenAI's words."""
+    param = "messages" if "messages" in body else "prompt"
+    try:
+        checked = check_request(ids, None, drafter=None, facts=info.facts)
+    except InvalidPromptError as e:
+        if hasattr(e, "token"):
+            raise invalid(param, f"prompt token id {e.token} is outside the vocabulary "
+                                 f"(0..{info.vocab_size - 1})") from None
+        if hasattr(e, "length"):
+            raise invalid(param, f"the prompt has {e.length} tokens; this model's context holds "
+                                 f"at most {info.capacity}") from None
+        raise invalid(param, str(e)) from None
+    assert checked is not None
+    return checked
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -176,11 +213,7 @@ def _stream(body: dict) -> tuple[bool, bool]:
 
 
 def _max_tokens(body: dict, prompt_len: int, info: ModelInfo, default: int | None) -> int:
-    room = info.capacity + 1 - prompt_len  # decode.py: prompt + new tokens <= capacity + 1
-    if prompt_len > info.capacity:
-        raise invalid("messages" if "messages" in body else "prompt",
-                      f"the prompt has {prompt_len} tokens; this model's context holds at most "
-                      f"{info.capacity}")
+    room = info.capacity + 1 - prompt_len  # the loop: prompt + new tokens <= capacity + 1
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     n = _integer(body, name)
     if n is None:
@@ -205,12 +238,11 @@ def _common(body: Any, info: ModelInfo) -> None:
 
 def _request(kind: Kind, body: dict, ids: list[int], info: ModelInfo,
              default_max_tokens: int | None) -> GenerationRequest:
-    temperature, top_k, top_p, seed = _sampling(body)
+    sampling = _sampling(body)
     stop = _stop(body)
     stream, include_usage = _stream(body)
-    max_new = _max_tokens(body, len(ids), info, default_max_tokens)
-    options = SpeculativeOptions(max_new, temperature=temperature, top_k=top_k, top_p=top_p,
-                                 seed=seed)
+    ids = _check_prompt(body, ids, info)
+    options = _options(sampling, _max_tokens(body, len(ids), info, default_max_tokens))
     return GenerationRequest(kind, ids, options, stop, stream, include_usage)
 
 
@@ -263,11 +295,7 @@ def parse_completion(body: Any, info: ModelInfo) -> GenerationRequest:
             raise invalid("prompt", "prompt must not be empty")
         ids = info.encode(prompt)
     elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
-        bad = next((t for t in prompt if not 0 <= t < info.vocab_size), None)
-        if bad is not None:
-            raise invalid("prompt", f"prompt token id {bad} is outside the vocabulary "
-                                    f"(0..{info.vocab_size - 1})")
-        ids = [int(t) for t in prompt]
+        ids = prompt  # in the vocabulary: check_request's (_request)
     else:
         raise invalid("prompt", f"prompt must be a string or a non-empty list of token ids (one "
                                 f"prompt per request), got {_short(prompt)}")

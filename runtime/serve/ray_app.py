@@ -41,11 +41,11 @@ class OrtspecServer:
                  prefix_cache_mib: float = DEFAULT_PREFIX_CACHE_MIB) -> None:
         from ..load import load_model
 
+        # the cost curve read or measured before traffic
         self.model = load_model(model_dir, providers=providers, threads=threads, draft=draft,
                                 max_concurrent=max_concurrent, when_busy="wait",
-                                busy_timeout=busy_timeout, prefix_cache_mib=prefix_cache_mib)
-        if drafter != "none":
-            self.model.draft_length_policy()  # read or measure the cost curve before traffic
+                                busy_timeout=busy_timeout, prefix_cache_mib=prefix_cache_mib,
+                                calibrate=drafter != "none")
         self._app_options = dict(model_name=model_name, drafter=drafter,
                                  max_concurrent=max_concurrent, max_queue=max_queue)
 

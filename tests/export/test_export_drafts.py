@@ -380,6 +380,69 @@ def test_concurrent_requests_each_draft_on_their_own_slots_buffers(target_dir):
     assert all(slot.draft.kv_owner is slot.decoder for slot in model.slots._free)
 
 
+def test_a_listed_draft_loads_on_the_first_request_that_needs_it_once(target_dir, monkeypatch):
+    """No `draft` argument: the manifest's draft is loaded by the first request with a
+    draft-model drafter, once although four threads ask at the same moment, and counted in
+    the slot's memory from then on; the output is plain decoding's."""
+    import threading
+
+    import ortspec.runtime.load as load_mod
+
+    opened: list[Path] = []
+    real = load_mod.OrtSessions
+
+    def counting(directory, **kwargs):
+        opened.append(Path(directory))
+        return real(directory, **kwargs)
+
+    monkeypatch.setattr(load_mod, "OrtSessions", counting)
+    model = load_model(target_dir, max_concurrent=4)
+    assert opened == [target_dir] and model.draft_sessions is None  # only the target, so far
+    assert model.listed_draft.path == target_dir / "drafts" / "int4"
+    target_only = model.slot_bytes
+    options = SpeculativeOptions(max_new_tokens=24, stop_token_ids=())
+    prompts = [_ids(12 + i, i) for i in range(4)]
+    serial = [plain_decode(model.decoder, p, options).tokens for p in prompts]
+    assert model.generate(prompts[0], drafter=None, options=options).tokens == serial[0]
+    assert model.draft_sessions is None  # plain decoding needs no draft
+
+    out: dict[int, object] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(4)
+
+    def run(i: int) -> None:
+        try:
+            barrier.wait()
+            # every draft verified whole, so the draft model's drafts are surely tried
+            out[i] = model.generate(prompts[i], drafter="prompt-lookup+draft-model",
+                                    options=options, draft_length=None)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert [out[i].tokens for i in range(4)] == serial  # greedy: token for token
+    assert all(out[i].counters.drafted_by_source.get("draft_model", 0) for i in range(4))
+    assert opened == [target_dir, target_dir / "drafts" / "int4"]  # the draft's sessions: once
+    sessions = model.draft_sessions
+    # with the cost model, which prices the draft's step now that it is loaded
+    assert model.generate(prompts[1], drafter="draft-model", options=options).tokens == serial[1]
+    assert model.draft_length_policy().draft_step_seconds > 0
+    assert model.draft_sessions is sessions and len(opened) == 2
+    # counted like a draft loaded up front: its logits buffer (it runs on the target's KV)
+    assert model.slot_bytes == target_only + sessions.logits_bytes_per_decoder
+    assert model.slot_bytes == load_model(target_dir, draft=True).slot_bytes
+    # the cost model prepared before the draft loads prices its step when it does
+    prepared = load_model(target_dir, calibrate=True)
+    assert prepared.draft_length_policy().draft_step_seconds == 0
+    assert prepared.generate(prompts[2], drafter="draft-model", options=options).tokens == serial[2]
+    assert prepared.draft_length_policy().draft_step_seconds > 0
+
+
 @pytest.mark.parametrize("drafter", ["draft-model", "prompt-lookup+draft-model"])
 def test_the_cli_generates_with_the_paired_draft(target_dir, drafter, capsys):
     from ortspec.runtime.cli.main import main

@@ -18,9 +18,9 @@ from ortspec.runtime import (
     ModelBusyError,
     PromptLookupSpeculator,
     SpeculativeOptions,
+    decode_steps,
     load_model,
 )
-from ortspec.runtime.decoding.loop import plain_decode_steps, speculative_decode_steps
 
 PROMPTS = [
     "Repeat after me: the cat sat on the mat, the cat sat on the mat, the cat",
@@ -170,9 +170,9 @@ def test_state_one_request_owns_is_refused_to_a_second(tiny):
 
     ids = tiny.encode(PROMPTS[0])
     dec = tiny.decoder  # the caller's own decoder, outside the pool
-    one = plain_decode_steps(dec, ids, _options(0.0, None))
+    one = decode_steps(dec, ids, None, _options(0.0, None))  # plain decoding
     next(one)
-    two = speculative_decode_steps(dec, ids, PromptLookupSpeculator(), _options(0.0, None))
+    two = decode_steps(dec, ids, PromptLookupSpeculator(), _options(0.0, None))
     with pytest.raises(ConcurrentUseError, match="this decoder"):
         next(two)
     one.close()
@@ -275,3 +275,32 @@ def test_a_stream_closed_early_keeps_its_tokens_and_counts(tiny, drafter):
     assert s.tokens and s.tokens == full[:len(s.tokens)]
     assert s.counters.emitted == len(s.tokens)
     assert s.counters.target_calls >= 3
+
+
+def test_start_gives_a_token_stream_that_owns_its_slot_and_prepares_up_front(tiny_dir, monkeypatch):
+    """`Model.start`: the cost model is made before the stream is returned, never inside its
+    first next(); the stream yields a list of tokens per target call, takes its slot at the
+    first next() and gives it back at the end; generate and stream give the same tokens, and
+    the text of any token iterator is its detokenised text."""
+    import ortspec.runtime.model as model_mod
+    from ortspec.runtime import Detokenizer, detokenize
+
+    model = load_model(tiny_dir, max_concurrent=2)
+    assert not model.prepared
+    stream = model.start(PROMPTS[0], options=_options(0.0, None))
+    assert model.prepared and model.slots.in_use == 0  # prepared in start; no slot yet
+    monkeypatch.setattr(model_mod, "calibrated_cost_curve",
+                        lambda *a, **k: pytest.fail("calibrated inside the stream"))
+    steps = list(stream)
+    assert model.slots.in_use == 0 and all(isinstance(s, list) and s for s in steps)
+    assert [t for s in steps for t in s] == stream.tokens == stream.result.tokens
+    assert stream.result.counters.target_calls == len(steps)
+    assert stream.result.tokens == model.generate(PROMPTS[0], options=_options(0.0, None)).tokens
+    assert stream.result.text == "".join(detokenize(iter(stream.tokens), model.decode))
+    detok = Detokenizer(model.decode)
+    text = "".join(detok.add(t) for t in stream.tokens) + detok.finish()
+    assert text == stream.result.text == "".join(model.stream(PROMPTS[0], options=_options(0.0, None)))
+
+
+def test_load_model_can_calibrate_up_front(tiny_dir):
+    assert load_model(tiny_dir, calibrate=True).prepared
