@@ -32,7 +32,7 @@ from .check.reference import ReferenceConfig, ReferenceDecoder
 from .request import DrafterSpec, check_request
 from .ort.sessions import OrtSessions
 from .decoding.sampling import DraftBlock, DraftDist, accept_or_resample, sample_from, verify_block, warp
-from .text import Detokenizer, TextStream, detokenize
+from .decoding.text import Detokenizer, TextStream, detokenize
 
 try:
     __version__ = _version("ortspec")

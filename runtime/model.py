@@ -56,7 +56,7 @@ from .decoding.protocols import DraftLengthPolicy, Drafter
 from .ort.sessions import OrtSessions
 from .request import DrafterSpec, ModelFacts, check_drafter_spec, check_request, drafter_spec
 from .slots import DecodeSlot, SlotPool, WhenBusy
-from .text import TextStream
+from .decoding.text import TextStream
 
 DEFAULT_MAX_CONCURRENT = 4  # decode slots a model makes at most unless told otherwise
 

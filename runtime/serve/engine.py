@@ -26,7 +26,7 @@ from typing import AsyncIterator, Callable
 
 from ..decoding.counters import DecodeCounters
 from ..model import Model
-from ..text import Detokenizer
+from ..decoding.text import Detokenizer
 from .metrics import ServerMetrics
 from .protocol import GenerationRequest, finish_reason
 from .stops import StopMatcher, tokens_through

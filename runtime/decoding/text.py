@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
-from .decoding.counters import DecodeCounters
-from .decoding.options import SpeculativeDecodeResult
+from .counters import DecodeCounters
+from .options import SpeculativeDecodeResult
 
 Decode = Callable[[list[int]], str]  # token ids -> text (e.g. Model.decode)
 
