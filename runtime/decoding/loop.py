@@ -24,8 +24,8 @@ from ..errors import ConcurrentUseError, DrafterError, InvalidOptionError, Inval
 from .history import TokenHistory
 from .options import FinishReason, SpeculativeDecodeResult, SpeculativeOptions
 from .protocols import Decoder, DraftLengthPolicy, Drafter
-from .sampling import DraftBlock, check_logits, check_sampling_options, sample_from, verify_block, warp
-from ..validation import check_int, is_int
+from .sampling import DraftBlock, check_sampling_options, sample_from, verify_block, warp
+from ..validation import check_int, check_logits, is_int
 
 def _check_prompt(decoder: Decoder, prompt: Sequence[int], options: object) -> list[int]:
     if not isinstance(options, SpeculativeOptions):

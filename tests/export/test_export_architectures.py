@@ -19,9 +19,10 @@ from transformers import (AutoConfig, AutoModelForCausalLM, Gemma2Config, Gemma2
                           SmolLM3ForCausalLM)
 
 from ortspec.export import export_model
-from ortspec.export.validate import TOLERANCES
+from ortspec.runtime.check.tolerances import TOLERANCES
 from ortspec.runtime import (PromptLookupSpeculator, SpeculativeOptions, load_model,
                              plain_decode, speculative_decode_with)
+from ortspec.runtime.ort import graph_io as gio
 from ortspec.runtime.ort import manifest as mf
 from ortspec.runtime.cli.check import main as check_main
 from ortspec.runtime.errors import ExportError
@@ -269,7 +270,7 @@ def _check_batch_rows(out):
     from ortspec.runtime.ort.sessions import OrtSessions
 
     sessions = OrtSessions(out, providers=["CPUExecutionProvider"])
-    assert mf.TOKEN_ROWS in {i.name for i in sessions.by_entry["verify"].get_inputs()}
+    assert gio.TOKEN_ROWS in {i.name for i in sessions.by_entry["verify"].get_inputs()}
     backend = OrtBatchBackend(sessions, max_rows=3)
     solo = OrtDecoder.on(sessions)
     ids = _prompt()

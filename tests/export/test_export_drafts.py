@@ -21,6 +21,7 @@ from ortspec.export import drafts as drafts_mod
 from ortspec.export.quantize import quantize_blockwise
 from ortspec.runtime import (DraftModelDrafter, DrafterSpec, SpeculativeOptions, load_model,
                              plain_decode, speculative_decode_with)
+from ortspec.runtime.ort import graph_io as gio
 from ortspec.runtime.ort import manifest as mf
 from ortspec.runtime.errors import DrafterError, ExportError, InvalidOptionError, ManifestError
 from ortspec.runtime.ort.decoder import OrtDecoder
@@ -176,7 +177,7 @@ def test_int4_draft_uses_matmul_nbits_and_shares_the_8_bit_table(target_dir):
     assert len(gemms) == 4 * LAYERS and all(n.input[1].endswith(".offsets") for n in gemms)
     assert "Add" not in ops
     assert [list(n.input)[1] for n in model.graph.node if n.op_type == "Gather"] == [
-        mf.LOGIT_ROWS]
+        gio.LOGIT_ROWS]
     nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     # per layer: qkv, o, gate+up (fused), down; then the LM head
     assert len(nbits) == 4 * LAYERS + 1
