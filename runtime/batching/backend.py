@@ -158,10 +158,6 @@ class OrtBatchBackend:
         for buf, part in zip(self._kv, saved, strict=True):  # type: ignore[call-overload]
             buf[row, :, :length] = part[:, :length]
 
-    @property
-    def kv_bytes(self) -> int:
-        return sum(b.nbytes for b in self._kv)
-
 
 class ReferenceBatchBackend:
     """`BatchBackend` over one `ReferenceDecoder` a row (float64 NumPy, exact to ~1e-13): what

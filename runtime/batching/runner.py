@@ -92,10 +92,6 @@ class BatchRunner:
         self._closed = False
 
     @property
-    def max_rows(self) -> int:
-        return self.backend.max_rows
-
-    @property
     def active_rows(self) -> int:
         """Rows decoding now (at least 1): what a row's draft-length policy prices a call at."""
         with self._cond:
@@ -263,7 +259,7 @@ class BatchRunner:
             try:
                 row.index = self._slots.index(None)
             except ValueError:
-                job.error = ModelBusyError(f"all {self.max_rows} rows of the batch are in use")
+                job.error = ModelBusyError(f"all {self.backend.max_rows} rows of the batch are in use")
                 job.done.set()
                 return
             self._slots[row.index] = row

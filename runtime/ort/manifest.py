@@ -325,25 +325,12 @@ def parse_manifest(data: Any) -> Manifest:
                             "manifest.files")
     max_batch = _int_in(data, "max_batch", 1, MAX_BATCH, "manifest") if "max_batch" in data else 1
     return Manifest(
-        source=source,
-        architecture=arch,
-        dtype=dtype,
-        capacity=capacity,
-        max_verify_len=max_verify_len,
-        entry_points=entry_points,
-        stop_token_ids=tuple(stops),
-        tokenizer=_get(data, "tokenizer", str, "manifest"),
-        chat_format=chat_format,
-        chat_template=template,
-        bos_token_id=bos,
-        files=dict(files),
-        draft_of=draft_of,
-        extra=extra,
-        format_version=version,
-        min_call_rows=min_rows,
-        min_attention_rows=attention_rows,
-        row_probe=row_probe,
-        max_batch=max_batch,
+        source=source, architecture=arch, dtype=dtype, capacity=capacity,
+        max_verify_len=max_verify_len, entry_points=entry_points, stop_token_ids=tuple(stops),
+        tokenizer=_get(data, "tokenizer", str, "manifest"), chat_format=chat_format,
+        chat_template=template, bos_token_id=bos, files=dict(files), draft_of=draft_of,
+        extra=extra, format_version=version, min_call_rows=min_rows,
+        min_attention_rows=attention_rows, row_probe=row_probe, max_batch=max_batch,
     )
 
 

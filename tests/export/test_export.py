@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from helpers.export import (EOS_ID, make_tiny_llama, make_tiny_qwen2, make_tokenizer,
-                            make_unsupported)
+from ortspec.export.tiny import (EOS_ID, make_tiny_llama, make_tiny_qwen2, make_tokenizer,
+                                 make_unsupported)
 from onnx import TensorProto
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM

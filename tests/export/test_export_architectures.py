@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.export import EOS_ID, VOCAB, _save, _scale_up, make_tokenizer
+from ortspec.export.tiny import EOS_ID, VOCAB, make_tokenizer, save_checkpoint, scale_up
 from transformers import (AutoConfig, AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM,
                           Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
@@ -42,14 +42,14 @@ pytestmark = pytest.mark.slow  # builds and exports torch checkpoints
 def _build(directory, model_cls, config, *, seed=0, biases=False):
     torch.manual_seed(seed)
     model = model_cls(config)
-    _scale_up(model)
+    scale_up(model)
     if biases:  # zero-initialised otherwise: would test nothing
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
                              layer.self_attn.v_proj):
                     proj.bias.normal_(0.0, 0.5)
-    return _save(model, directory, make_tokenizer())
+    return save_checkpoint(model, directory, make_tokenizer())
 
 
 def llama3(directory):

@@ -3,7 +3,7 @@ the MatMulNBits layout against onnxruntime itself, the int4 and layer-skip graph
 PyTorch, the manifest pairing, greedy identity of speculative decoding with a draft, refusal of
 bad options before anything is written, and the all-or-nothing update of a target directory.
 
-The tiny models come from helpers/export.py; the last tests (marked slow) use the real default
+The tiny models come from ortspec.export.tiny; the last tests (marked slow) use the real default
 model, whose drafts they export on first use into its cached directory."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from helpers.export import make_tiny_llama, make_tiny_qwen2
+from ortspec.export.tiny import make_tiny_llama, make_tiny_qwen2
 from onnx import TensorProto, helper, numpy_helper
 
 from ortspec.export import DraftOptionError, ExportOptionError, add_draft, export_model

@@ -11,7 +11,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from helpers.export import make_tiny_llama, make_tokenizer
+from ortspec.export.tiny import make_tiny_llama, make_tokenizer
 
 import ortspec.export.sources as sources
 import ortspec.runtime.paths as paths

@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers.export import make_tiny_llama, write_graph_dir
+from helpers.export import write_graph_dir
 from transformers import AutoModelForCausalLM
 
 from ortspec.export import export_model
+from ortspec.export.tiny import make_tiny_llama
 from ortspec.runtime.ort import graph_io as gio
 from ortspec.runtime.ort import manifest as mf
 from ortspec.runtime.errors import CapacityError, InvalidPromptError, OrtspecError
