@@ -27,8 +27,10 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ortspec.runtime.ort import manifest as mf
+from ortspec.runtime.check.tolerances import Bound
 from ortspec.runtime.errors import ExportError, ManifestError
 from ortspec.runtime.cli.progress import on_terminal, progress_bar
+from ortspec.runtime.paths import models_dir
 from ortspec.runtime.validation import check_int
 
 from . import chat
@@ -40,8 +42,7 @@ from .graph_spec import ATTENTIONS, DEFAULT_OPSET, LM_HEADS, MAX_OPSET, MIN_OPSE
     QUANT_SCHEMES, QUANTS, GraphOptions, WeightQuant, weight_quant
 from .graphs import build_decoder
 from .row_probe import PROBE_FILE, write_row_probe
-from .sources import DEFAULT_RECIPE, Source, identify_source, materialize, models_dir, \
-    source_num_layers
+from .sources import DEFAULT_RECIPE, Source, identify_source, materialize, source_num_layers
 
 GRAPH_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
@@ -303,7 +304,7 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
                  started: float, draft: DraftOptions | None = None,
                  quant: WeightQuant | None = None) -> mf.Manifest:
     from .checkpoint import load_checkpoint  # torch + transformers: only now
-    from .validate import Bound, validate_export
+    from .validate import validate_export
 
     def stage(name: str) -> None:
         bar.set_postfix_str(name)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from onnx import TensorProto, numpy_helper
 
-from ortspec.runtime.ort import manifest as mf
+from ortspec.runtime.ort import graph_io as gio
 
 from .builder import GraphBuilder
 from .graph_spec import MS, NUMPY_DTYPES
@@ -55,12 +55,12 @@ def _gqa_preamble(b: GraphBuilder) -> dict[str, str]:
     from two rows on a row's output is the same whatever S is."""
     g = b.g
     axes = g.const("axes_1", np.array([1], np.int64))
-    mask_sum = g.op1("ReduceSum", [mf.ATTENTION_MASK, axes], keepdims=0)  # int64 [1]
-    width = g.op1("Shape", [mf.ATTENTION_MASK], start=1, end=2)  # int64 [1]
+    mask_sum = g.op1("ReduceSum", [gio.ATTENTION_MASK, axes], keepdims=0)  # int64 [1]
+    width = g.op1("Shape", [gio.ATTENTION_MASK], start=1, end=2)  # int64 [1]
     ctx = {}
     back = g.const("one_i64", np.array(1, np.int64))  # seqlens_k = mask_sum - back
     if b.options.pad_lone_query:
-        s = g.op1("Shape", [mf.INPUT_IDS], start=1, end=2)  # [1]: S
+        s = g.op1("Shape", [gio.INPUT_IDS], start=1, end=2)  # [1]: S
         extra = _lone_query_extra(b, s)
         back = g.op1("Sub", [back, extra])  # 1 - extra
         width = g.op1("Add", [width, extra])
@@ -95,10 +95,10 @@ def _gqa_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) -> st
     window = spec.window(i)
     attn, _, _ = b.g.op(
         "GroupQueryAttention",
-        [*inputs, mf.past_key_name(i), mf.past_value_name(i), ctx["seqlens_k"],
+        [*inputs, gio.past_key_name(i), gio.past_value_name(i), ctx["seqlens_k"],
          ctx["total"], *(spec.rope_tables(i) if rope else ())],
         3, domain=MS, name=f"layers.{i}.attn",
-        outputs=[f"layers.{i}.attn/out0", mf.present_key_name(i), mf.present_value_name(i)],
+        outputs=[f"layers.{i}.attn/out0", gio.present_key_name(i), gio.present_value_name(i)],
         num_heads=spec.num_heads, kv_num_heads=spec.num_kv_heads,
         scale=float(spec.attention_scale), do_rotary=int(rope), rotary_interleaved=0,
         local_window_size=window if window else -1,
@@ -135,8 +135,8 @@ def _row_preamble(b: GraphBuilder, slots: str, *, pad_lone_query: bool = False
     axis0 = g.const("axes_0", np.array([0], np.int64))
     axis1 = g.const("axes_1", np.array([1], np.int64))
     axis_last = g.const("axes_last", np.array([-1], np.int64))
-    valid = g.op1("ReduceSum", [mf.ATTENTION_MASK, axis1], keepdims=0)  # [B]: past_r + S
-    s = g.op1("Shape", [mf.INPUT_IDS], start=1, end=2)  # [1]: S
+    valid = g.op1("ReduceSum", [gio.ATTENTION_MASK, axis1], keepdims=0)  # [B]: past_r + S
+    s = g.op1("Shape", [gio.INPUT_IDS], start=1, end=2)  # [1]: S
     past = g.op1("Sub", [valid, s])  # [B]
     zero = g.const("zero_i64", np.array(0, np.int64))
     one = g.const("one_i64", np.array(1, np.int64))
@@ -210,10 +210,10 @@ def _rotate_and_store(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]
                   num_heads=spec.num_heads, **rope)
         k = g.op1("RotaryEmbedding", [k, cos, sin, ctx["position_ids"]],
                   num_heads=spec.num_kv_heads, **rope)
-    key, value = mf.present_key_name(i), mf.present_value_name(i)
-    g.op("TensorScatter", [mf.past_key_name(i), _heads_first(b, k, spec.num_kv_heads),
+    key, value = gio.present_key_name(i), gio.present_value_name(i)
+    g.op("TensorScatter", [gio.past_key_name(i), _heads_first(b, k, spec.num_kv_heads),
                            ctx["write_index"]], outputs=[key], axis=2)
-    g.op("TensorScatter", [mf.past_value_name(i), _heads_first(b, v, spec.num_kv_heads),
+    g.op("TensorScatter", [gio.past_value_name(i), _heads_first(b, v, spec.num_kv_heads),
                            ctx["write_index"]], outputs=[value], axis=2)
     return q, key, value
 
@@ -249,14 +249,14 @@ def _window_preamble(b: GraphBuilder) -> dict[str, str]:
 
     "mask_rows" is the causal mask as the grouped rows see it: [B, 1, S' * G, W]."""
     g, spec = b.g, b.spec
-    width = g.op1("Shape", [mf.ATTENTION_MASK], start=1, end=2)  # [1]: W
+    width = g.op1("Shape", [gio.ATTENTION_MASK], start=1, end=2)  # [1]: W
     zero = g.const("zero_i64", np.array(0, np.int64))
     one = g.const("one_i64", np.array(1, np.int64))
     axis0 = g.const("axes_0", np.array([0], np.int64))
     slots = g.op1("Range", [zero, g.op1("Squeeze", [width, axis0]), one])  # [W]
     ctx = {**_row_preamble(b, slots, pad_lone_query=spec.query_group == 1), "width": width}
     ctx["mask_rows"] = _mask_rows(b, ctx["mask"], width)
-    ctx["grid_qkv_shape"] = g.op1("Concat", [g.op1("Shape", [mf.INPUT_IDS]), g.const(
+    ctx["grid_qkv_shape"] = g.op1("Concat", [g.op1("Shape", [gio.INPUT_IDS]), g.const(
         f"width_{spec.qkv_dim}", np.array([spec.qkv_dim], np.int64))], axis=0)  # [3]: B, S, qkv
     return ctx
 
@@ -266,10 +266,10 @@ def pack_tokens(b: GraphBuilder, ctx: dict[str, str]) -> str:
     names, [M]. Also records in ctx what `to_grid` needs."""
     g = b.g
     axis_last = g.const("axes_last", np.array([-1], np.int64))
-    ctx["token_index"] = g.op1("Unsqueeze", [mf.TOKEN_ROWS, axis_last])  # [M, 1]
-    flat = g.op1("Reshape", [mf.INPUT_IDS, g.const("shape_flat", np.array([-1], np.int64))])
+    ctx["token_index"] = g.op1("Unsqueeze", [gio.TOKEN_ROWS, axis_last])  # [M, 1]
+    flat = g.op1("Reshape", [gio.INPUT_IDS, g.const("shape_flat", np.array([-1], np.int64))])
     ctx["grid_rows"] = g.op1("Shape", [flat])  # [1]: B * S
-    return g.op1("Gather", [flat, mf.TOKEN_ROWS], axis=0)  # [M]
+    return g.op1("Gather", [flat, gio.TOKEN_ROWS], axis=0)  # [M]
 
 
 def to_grid(b: GraphBuilder, x: str, width: int, ctx: dict[str, str]) -> str:
@@ -330,7 +330,7 @@ def _window_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) ->
                                                                      np.int64))])
         y = g.op1("Transpose", [y], perm=[0, 2, 1, 3, 4])  # [B, S, kv, G, hd]
     flat = g.const("shape_rows_attn_flat", np.array([-1, q_dim], np.int64))
-    return g.op1("Gather", [g.op1("Reshape", [y, flat]), mf.TOKEN_ROWS], axis=0)  # [M, q_dim]
+    return g.op1("Gather", [g.op1("Reshape", [y, flat]), gio.TOKEN_ROWS], axis=0)  # [M, q_dim]
 
 
 def _mask_rows(b: GraphBuilder, mask: str, width: str) -> str:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 from onnx import TensorProto
 
-from ortspec.runtime.ort import manifest as mf
+from ortspec.runtime.ort import graph_io as gio
 
 from .graph_spec import MS, NUMPY_DTYPES, DecoderSpec, GraphOptions
 from .onnx_writer import ExternalDataWriter, NodeList, alias
@@ -86,7 +86,7 @@ class GraphBuilder:
             y = self.g.op1("Add", [y, self.add_tensor(name + "_bias", np.concatenate(rows))])
         return y
 
-    def embedding(self, ids: str = mf.INPUT_IDS) -> str:
+    def embedding(self, ids: str = gio.INPUT_IDS) -> str:
         """ids (input_ids [B, S], or the packed graph's [M]) -> [*ids.shape, hidden]: a Gather
         from the float table, or, when the quantized
         LM head can share its bytes (WeightQuant.embed_shares_head), a GatherBlockQuantized
@@ -189,7 +189,7 @@ class GraphBuilder:
         g, spec, q = self.g, self.spec, self.options.quant
         flat = g.op1("Reshape", [h, g.const("shape_rows_hidden",
                                             np.array([-1, spec.hidden_size], np.int64))])
-        h = g.op1("Gather", [flat, mf.LOGIT_ROWS], axis=0)  # [N, hidden]
+        h = g.op1("Gather", [flat, gio.LOGIT_ROWS], axis=0)  # [N, hidden]
         if self._head is not None:  # written by embedding(), which reads the same bytes
             logits = self.matmul_nbits(h, self._head)
         elif q is not None and self._head_quantizable():
@@ -210,7 +210,7 @@ class GraphBuilder:
         if spec.final_softcap:  # cap * tanh(logits / cap), in float32
             cap = g.const("final_softcap", np.array(spec.final_softcap, np.float32))
             logits = g.op1("Mul", [g.op1("Tanh", [g.op1("Div", [logits, cap])]), cap])
-        g.op("Identity", [logits], name="logits_out", outputs=[mf.LOGITS])
+        g.op("Identity", [logits], name="logits_out", outputs=[gio.LOGITS])
 
 
 def _out_dims(spec: DecoderSpec, names: list[str]) -> list[int]:

@@ -61,10 +61,6 @@ class Checkpoint:
             return array + np.float32(1.0)  # Gemma's RMSNorm multiplies by (1 + weight)
         return array
 
-    def _key(self, name: str) -> str:
-        """Canonical weight name -> the Hugging Face parameter name."""
-        return self._where(name)[0]
-
     def _where(self, name: str) -> tuple[str, slice]:
         """Canonical weight name -> (the Hugging Face parameter, the rows of it that are this
         weight: all of them except in a fused parameter)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ortspec.runtime.cli.args import UserErrorParser
 from ortspec.runtime.errors import OrtspecError
 
 from .graph_spec import ATTENTIONS, DEFAULT_OPSET, LM_HEADS, MAX_OPSET, MIN_OPSET, QUANT_SCHEMES, \
@@ -17,15 +18,8 @@ from .graph_spec import ATTENTIONS, DEFAULT_OPSET, LM_HEADS, MAX_OPSET, MIN_OPSE
 PROG = "ortspec export"
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (no usage dump), exit status 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _OneLineParser(
+    p = UserErrorParser(
         prog=PROG,
         description="Export a checkpoint to an ONNX model directory (graph, weights, tokenizer, "
                     "manifest), validated against PyTorch before it is written.",
@@ -77,8 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as e:  # argparse printed its one error line (or --help)
+    except SystemExit as e:  # --help
         return int(e.code or 0)
+    except OrtspecError as e:  # a usage error
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
     try:
         from .api import export_model
         from .drafts import DRAFTS_DIR, DraftOptions

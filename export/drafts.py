@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from ortspec.runtime.ort import manifest as mf
+from ortspec.runtime.check.tolerances import TOLERANCES, Bound, Tolerances
 from ortspec.runtime.errors import ExportError
 from ortspec.runtime.validation import check_int
 
@@ -53,7 +54,7 @@ from .errors import ExportOptionError
 from .graph_spec import QUANTS, DecoderSpec, GraphOptions, WeightQuant
 from .graphs import build_decoder
 from .quantize import quantize_blockwise
-from .validate import TOLERANCES, Bound, Tolerances, check_logits, run_graph, validation_prompt
+from .validate import check_logits, run_graph, validation_prompt
 
 DRAFTS_DIR = "drafts"
 DRAFT_OF = ".."  # a draft's manifest names its target relative to itself

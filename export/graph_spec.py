@@ -22,7 +22,6 @@ MIN_OPSET = {"gqa": 17, "standard": 24, "window": 24}
 MAX_OPSET = 24  # the newest ai.onnx opset checked against onnxruntime 1.32 here
 DEFAULT_OPSET = {"gqa": 21, "standard": 24, "window": 24}
 FAMILIES = mf.FAMILIES  # what the exporter builds is what a manifest may record
-MLP_ACTS = ("silu", "gelu_tanh")  # gate activation of the gated MLP
 NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
 # Canonical weight names. {i} is the layer index. Linear weights are [out, in].

@@ -40,7 +40,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ortspec.runtime.ort import manifest as mf
+from ortspec.runtime.ort import graph_io as gio
 
 from .attention import FLAVOURS, pack_tokens, to_grid
 from .builder import GetWeight, GraphBuilder
@@ -92,7 +92,7 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
             b.add_tensor("rope_sin_local", local_rope[1])
         context = flavour.preamble(b)
         # [B, S, hidden], or packed: [M, hidden], the positions token_rows names
-        x = b.embedding(pack_tokens(b, context) if flavour.packed else mf.INPUT_IDS)
+        x = b.embedding(pack_tokens(b, context) if flavour.packed else gio.INPUT_IDS)
         # block-min layers run on rows [B * S, hidden] (their offsets are a Gemm, which is
         # 2-D); only the attention sees [B, S, ...]. The other schemes keep [B, S, hidden]: a
         # Reshape each side of the attention costs its dispatch (~3% of an int4 step)
@@ -101,7 +101,7 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
         if flat:
             x = b.g.op1("Reshape", [x, b.g.const("shape_rows_hidden",
                                                  np.array([-1, spec.hidden_size], np.int64))])
-            grid_qkv = b.g.op1("Concat", [b.g.op1("Shape", [mf.INPUT_IDS]), b.g.const(
+            grid_qkv = b.g.op1("Concat", [b.g.op1("Shape", [gio.INPUT_IDS]), b.g.const(
                 f"width_{spec.qkv_dim}", np.array([spec.qkv_dim], np.int64))], axis=0)
             attn_rows = b.g.const("shape_rows_attn",
                                   np.array([-1, spec.num_heads * spec.head_dim], np.int64))
@@ -167,19 +167,19 @@ def _make_model(spec: DecoderSpec, options: GraphOptions, g: NodeList,
     batch = "batch"  # B rows, each with its own valid length (its mask row's sum)
     kv_shape = [batch, spec.num_kv_heads, options.capacity, spec.head_dim]
     inputs = [
-        helper.make_tensor_value_info(mf.INPUT_IDS, TensorProto.INT64, [batch, "sequence_length"]),
-        helper.make_tensor_value_info(mf.ATTENTION_MASK, TensorProto.INT64,
+        helper.make_tensor_value_info(gio.INPUT_IDS, TensorProto.INT64, [batch, "sequence_length"]),
+        helper.make_tensor_value_info(gio.ATTENTION_MASK, TensorProto.INT64,
                                       [batch, "total_sequence_length"]),
-        helper.make_tensor_value_info(mf.LOGIT_ROWS, TensorProto.INT64, ["logit_rows"]),
+        helper.make_tensor_value_info(gio.LOGIT_ROWS, TensorProto.INT64, ["logit_rows"]),
     ]
     if FLAVOURS[options.attention].packed:
-        inputs.append(helper.make_tensor_value_info(mf.TOKEN_ROWS, TensorProto.INT64,
+        inputs.append(helper.make_tensor_value_info(gio.TOKEN_ROWS, TensorProto.INT64,
                                                     ["token_rows"]))
-    outputs = [helper.make_tensor_value_info(mf.LOGITS, TensorProto.FLOAT,
+    outputs = [helper.make_tensor_value_info(gio.LOGITS, TensorProto.FLOAT,
                                              ["logit_rows", spec.vocab_size])]
     for i in range(spec.num_layers):
-        for past, present in ((mf.past_key_name(i), mf.present_key_name(i)),
-                              (mf.past_value_name(i), mf.present_value_name(i))):
+        for past, present in ((gio.past_key_name(i), gio.present_key_name(i)),
+                              (gio.past_value_name(i), gio.present_value_name(i))):
             inputs.append(helper.make_tensor_value_info(past, kv_type, kv_shape))
             outputs.append(helper.make_tensor_value_info(present, kv_type, kv_shape))
     graph = helper.make_graph(g.nodes, "ortspec_decoder", inputs, outputs,

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from ortspec.runtime.errors import ExportError
 from ortspec.runtime.ort.manifest import sha256_file
-from ortspec.runtime.paths import MODELS_DIR_ENV, models_dir  # noqa: F401 - re-exported
+from ortspec.runtime.paths import models_dir
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable

@@ -4,7 +4,7 @@ Two comparisons on a fixed prompt, both as max |difference| over every position 
 verify vs step (the verify entry point in blocks of max_verify_len against the step entry point
 token by token) and verify vs PyTorch (the same logits against one forward pass of the
 checkpoint in float32). The bounds, and the reasons for them, are `ortspec.runtime.check.tolerances`
-(`TOLERANCES`, re-exported here): `ortspec check` applies the same verify-vs-step bound.
+(`TOLERANCES`): `ortspec check` applies the same verify-vs-step bound.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import numpy as np
 from ortspec.runtime.ort import manifest as mf
 from ortspec.runtime.errors import ExportError
 from ortspec.runtime.ort.decoder import OrtDecoder
-from ortspec.runtime.check.tolerances import (  # noqa: F401 - Bound re-exported
-    TOLERANCES, Bound, Tolerances, comparison_length)
+from ortspec.runtime.check.tolerances import TOLERANCES, Tolerances, comparison_length
 
 if TYPE_CHECKING:  # torch is imported only when an export really runs
     from .checkpoint import Checkpoint

@@ -1,5 +1,6 @@
-"""One helper for checking integer options, `check_int`, and one for a decoder call's tokens,
-`check_token_block`.
+"""One helper for checking integer options, `check_int`; one for a decoder call's tokens,
+`check_token_block`; one for a cache's rollback, `check_truncate_length`; and one for the logits a
+model returned, `check_logits` (`non_finite_logits` where the error is handed on, not raised).
 
 Python's `bool` is an `int`, and NumPy integers are not, so the test a user-facing option needs
 ("a real integer, not True, in this range") is longer than it looks. Every tier calls this one
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import CapacityError, InvalidOptionError, InvalidPromptError
+from .errors import CapacityError, InvalidOptionError, InvalidPromptError, NonFiniteLogitsError
 
 
 def is_int(value: object) -> bool:
@@ -70,3 +71,41 @@ def check_token_block(tokens: object, *, vocab_size: int, length: int, capacity:
                             f"truncate/reset first)")
     return ids.astype(np.int64, copy=False)
 
+
+
+def check_truncate_length(length: object, held: int) -> int:
+    """`length` as an int if a cache holding `held` tokens can be truncated to it (an integer
+    in 0..held), else InvalidOptionError."""
+    if not is_int(length):
+        raise InvalidOptionError(f"truncate length must be an integer, got {length!r}")
+    if not 0 <= length <= held:  # type: ignore[operator]
+        raise InvalidOptionError(f"cannot truncate to {length}: the cache holds "
+                                 f"{held} tokens (allowed 0..{held})")
+    return int(length)  # type: ignore[arg-type]
+
+
+def non_finite_logits(logits: np.ndarray, *, first_position: int | None = None,
+                      source: str = "the graph") -> NonFiniteLogitsError | None:
+    """None when every logit is finite, else the error that says where: with `first_position`,
+    `logits` are the rows [n, vocab] `source` computed at positions first_position.. and the
+    error names their range; without, it counts the bad logits and names the first one's flat
+    index."""
+    if np.isfinite(logits).all():
+        return None
+    if first_position is not None:
+        last = first_position + logits.shape[0] - 1
+        return NonFiniteLogitsError(f"{source} returned NaN or infinite logits at positions "
+                                    f"{first_position}..{last}")
+    bad = np.flatnonzero(~np.isfinite(logits.reshape(-1)))
+    return NonFiniteLogitsError(
+        f"the model returned {bad.size} non-finite logits (first at flat index {bad[0]}: "
+        f"{logits.reshape(-1)[bad[0]]}); logits must be finite"
+    )
+
+
+def check_logits(logits: np.ndarray, *, first_position: int | None = None,
+                 source: str = "the graph") -> None:
+    """Raise `non_finite_logits`'s error, if there is one."""
+    error = non_finite_logits(logits, first_position=first_position, source=source)
+    if error is not None:
+        raise error

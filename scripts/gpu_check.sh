@@ -28,7 +28,6 @@ SHIM="$WORK/shim"
 rm -rf "$SHIM"; mkdir -p "$SHIM/ortspec"
 ln -s "$REPO/runtime" "$SHIM/ortspec/runtime"
 ln -s "$REPO/export" "$SHIM/ortspec/export"
-ln -s "$REPO/bench" "$SHIM/ortspec/bench"
 export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 export ORTSPEC_MODELS_DIR="${ORTSPEC_MODELS_DIR:-$REPO/models}"
 

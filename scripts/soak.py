@@ -45,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ortspec.runtime.bench import provenance
 from ortspec.runtime.bench.workload import default_questions_path, interleave_categories, load_questions
 from ortspec.runtime import PromptLookupSpeculator, SpeculativeOptions
 from ortspec.runtime.paths import default_model_path
@@ -251,17 +252,11 @@ def run(args: argparse.Namespace) -> dict:
 
 def _commit() -> str | None:
     """The repository's commit the runtime was loaded from (None outside a git checkout)."""
-    import subprocess
-
-    try:
-        out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "runtime"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
+    checkout = provenance.checkout()
+    if not checkout["commit"]:
         return None
-    head = out.stdout.strip()
-    return (head + (" with local changes to runtime/" if dirty else "")) if out.returncode == 0 else None
+    dirty = any(path.startswith("runtime/") for path in checkout["changed"] or ())
+    return checkout["commit"][:10] + (" with local changes to runtime/" if dirty else "")
 
 
 def _pairs(items) -> str:

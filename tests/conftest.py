@@ -44,15 +44,16 @@ def int4_model_dir():
 @pytest.fixture(scope="module")
 def tiny_dir(request, tmp_path_factory):
     """The module's tiny model directory. A module that sets `TINY_EXPORT = {"seed": ...,
-    "capacity": ..., "max_verify_len": ...}` gets a random tiny Llama (helpers.export) exported
+    "capacity": ..., "max_verify_len": ...}` gets a random tiny Llama (ortspec.export.tiny) exported
     with those settings; one that sets `TINY_EXPORT = None` gets the hand-written graph of
     `helpers.export.write_graph_dir`, which needs no torch."""
-    from helpers.export import make_tiny_llama, write_graph_dir
+    from helpers.export import write_graph_dir
 
     spec = getattr(request.module, "TINY_EXPORT")
     if spec is None:
         return write_graph_dir(tmp_path_factory.mktemp("tiny") / "model")
     from ortspec.export import export_model
+    from ortspec.export.tiny import make_tiny_llama
 
     spec = dict(spec)
     src = make_tiny_llama(tmp_path_factory.mktemp("src") / "tiny-llama", seed=spec.pop("seed"))

@@ -26,9 +26,9 @@ from typing import Protocol
 import numpy as np
 import onnxruntime as ort
 
-from ..ort import manifest as mf
 from ..errors import ManifestError, ProviderError
-from ..ort.graph_io import logit_rows_for, token_rows_for
+from ..ort.graph_io import (ATTENTION_MASK, INPUT_IDS, LOGIT_ROWS, LOGITS, TOKEN_ROWS, logit_rows_for,
+                           token_rows_for)
 from ..check.reference import ReferenceConfig, ReferenceDecoder
 from ..ort.sessions import OrtSessions
 from ..validation import check_int
@@ -89,11 +89,11 @@ class OrtBatchBackend:
         self.ort_seconds = 0.0
         a = m.architecture
         self._session = sessions.by_entry["verify"]
-        if mf.LOGIT_ROWS not in {i.name for i in self._session.get_inputs()}:
-            raise ManifestError(f"{sessions.model_dir}: the graph has no `{mf.LOGIT_ROWS}` input "
+        if LOGIT_ROWS not in {i.name for i in self._session.get_inputs()}:
+            raise ManifestError(f"{sessions.model_dir}: the graph has no `{LOGIT_ROWS}` input "
                                 f"(exported by an earlier ortspec); export it again for "
                                 f"batched decoding")
-        self._takes_token_rows = mf.TOKEN_ROWS in {i.name for i in self._session.get_inputs()}
+        self._takes_token_rows = TOKEN_ROWS in {i.name for i in self._session.get_inputs()}
         self._names = sessions.kv_names
         # [max_rows, kv_heads, capacity, head_dim] per layer and key/value, every page written
         # now: left to the first write, a fresh row faults in its pages in the middle of a call
@@ -127,20 +127,20 @@ class OrtBatchBackend:
         mask[:] = np.arange(width)[None, :] < (lengths[:, None] + s)
         wanted = np.arange(n * s, dtype=np.int64) if take is None else np.asarray(take, np.int64)
         io = self._binding(lo, hi)
-        io.bind_cpu_input(mf.INPUT_IDS, np.ascontiguousarray(ids, np.int64))
-        io.bind_cpu_input(mf.ATTENTION_MASK, mask)
+        io.bind_cpu_input(INPUT_IDS, np.ascontiguousarray(ids, np.int64))
+        io.bind_cpu_input(ATTENTION_MASK, mask)
         rows = logit_rows_for(wanted, min_rows=self.min_rows)  # the graph computes these only
-        io.bind_cpu_input(mf.LOGIT_ROWS, rows)
+        io.bind_cpu_input(LOGIT_ROWS, rows)
         if self._takes_token_rows:  # the MatMuls run on the real tokens only
             computed = np.arange(n * s, dtype=np.int64) if real is None else \
                 np.asarray(real, np.int64)
             if real is not None and not np.isin(wanted, computed).all():
                 raise ValueError("every position whose logits are taken must be among the "
                                  "real ones (a position left out is computed from zeros)")
-            io.bind_cpu_input(mf.TOKEN_ROWS, token_rows_for(computed, grid=n * s,
+            io.bind_cpu_input(TOKEN_ROWS, token_rows_for(computed, grid=n * s,
                                                             min_rows=self.min_rows))
         logits = self._logits[: rows.size * self.vocab_size].reshape(rows.size, self.vocab_size)
-        io.bind_output(mf.LOGITS, "cpu", 0, np.float32, [rows.size, self.vocab_size],
+        io.bind_output(LOGITS, "cpu", 0, np.float32, [rows.size, self.vocab_size],
                        logits.ctypes.data)
         t0 = time.perf_counter()
         self._session.run_with_iobinding(io)
@@ -157,10 +157,6 @@ class OrtBatchBackend:
     def load(self, row: int, saved: object, length: int) -> None:
         for buf, part in zip(self._kv, saved, strict=True):  # type: ignore[call-overload]
             buf[row, :, :length] = part[:, :length]
-
-    @property
-    def kv_bytes(self) -> int:
-        return sum(b.nbytes for b in self._kv)
 
 
 class ReferenceBatchBackend:

@@ -17,8 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..errors import InvalidOptionError
-from ..validation import check_token_block, is_int
+from ..validation import check_token_block, check_truncate_length
 from .backend import BatchBackend
 
 
@@ -107,12 +106,7 @@ class BatchRow:
         self.length = 0
 
     def truncate(self, length: int) -> None:
-        if not is_int(length):
-            raise InvalidOptionError(f"truncate length must be an integer, got {length!r}")
-        if not 0 <= length <= self.length:
-            raise InvalidOptionError(f"cannot truncate to {length}: the cache holds "
-                                     f"{self.length} tokens (allowed 0..{self.length})")
-        self.length = int(length)
+        self.length = check_truncate_length(length, self.length)
 
     def forward_token(self, token: int) -> np.ndarray:  # [vocab]
         return self.runner.submit(BatchJob(self, self._check([token]), prefill=False))[0]

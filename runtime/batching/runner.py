@@ -49,15 +49,15 @@ import numpy as np
 
 from .backend import BatchBackend
 from .rows import BatchJob, BatchRow, BatchStats
-from ..errors import ModelBusyError, NonFiniteLogitsError, OrtspecError
+from ..errors import ModelBusyError, OrtspecError
 from ..ort.graph_io import call_width
 from .prefix_cache import PrefixCache, shared_prefix
-from ..validation import check_int
+from ..validation import check_int, non_finite_logits
 
 GATHER_SECONDS = 0.003  # the least a call waits for the decoding rows that have no job yet
 WAIT_FRACTION = 0.5  # ... and the most, as a fraction of a recent batched call's duration
 CALL_ALPHA = 0.2  # weight of the newest call in that recent duration
-PREFILL_CHUNK = 128  # prompt tokens a prefill call reads in all, while other rows decode
+BATCH_PREFILL_TOKENS = 128  # prompt tokens one prefill call reads, of all rows (the others decode)
 PREFIX_WAIT_TOKENS = 16  # a prompt waits for an older one's if it then copies this many more
 IDLE_SECONDS = 1.0  # an idle runner thread checks this often whether its model is still used
 
@@ -66,7 +66,7 @@ class BatchRunner:
     """Runs every row's calls on one thread, as batched calls of `backend`."""
 
     def __init__(self, backend: BatchBackend, *, max_verify_len: int,
-                 gather_seconds: float = GATHER_SECONDS, prefill_chunk: int = PREFILL_CHUNK,
+                 gather_seconds: float = GATHER_SECONDS, prefill_chunk: int = BATCH_PREFILL_TOKENS,
                  prefix_cache_bytes: int = 0) -> None:
         check_int("max_verify_len", max_verify_len, minimum=1)
         self.backend = backend
@@ -90,10 +90,6 @@ class BatchRunner:
         self._free_since = time.monotonic()  # when the runner's last call ended
         self._thread: threading.Thread | None = None
         self._closed = False
-
-    @property
-    def max_rows(self) -> int:
-        return self.backend.max_rows
 
     @property
     def active_rows(self) -> int:
@@ -263,7 +259,7 @@ class BatchRunner:
             try:
                 row.index = self._slots.index(None)
             except ValueError:
-                job.error = ModelBusyError(f"all {self.max_rows} rows of the batch are in use")
+                job.error = ModelBusyError(f"all {self.backend.max_rows} rows of the batch are in use")
                 job.done.set()
                 return
             self._slots[row.index] = row
@@ -295,9 +291,10 @@ class BatchRunner:
             got = logits[first: first + rows.size]  # [1 or n, vocab]
             first += rows.size
             row = job.row
-            if not np.isfinite(got).all():  # the rows read (a prompt chunk: its last)
-                start = row.length + (0 if job.keep_all else n - 1)
-                self._fail_prefill(job, _non_finite(start, got.shape[0]))
+            error = non_finite_logits(  # the rows read (a prompt chunk: its last)
+                got, first_position=row.length + (0 if job.keep_all else n - 1))
+            if error is not None:
+                self._fail_prefill(job, error)
                 continue
             row.length += n
             job.offset += n
@@ -444,8 +441,9 @@ class BatchRunner:
             rows = logits[offsets[i]:offsets[i] + n]
             row = job.row
             row.ort_seconds += seconds
-            if not np.isfinite(rows).all():
-                job.error = _non_finite(row.length, n)
+            error = non_finite_logits(rows, first_position=row.length)
+            if error is not None:
+                job.error = error
             else:
                 job.result = rows.copy()
                 row.length += n
@@ -457,11 +455,6 @@ def _pad_into(out: np.ndarray, tokens: np.ndarray) -> None:
     is past the row's valid length and dropped)."""
     out[:tokens.size] = tokens
     out[tokens.size:] = tokens[-1]
-
-
-def _non_finite(start: int, n: int) -> NonFiniteLogitsError:
-    return NonFiniteLogitsError(f"the graph returned NaN or infinite logits at positions "
-                                f"{start}..{start + n - 1}")
 
 
 def _serve(ref: "weakref.ref[BatchRunner]") -> None:

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
-import platform
 import shlex
 import sys
 from pathlib import Path
@@ -26,11 +24,10 @@ from typing import Any
 from ortspec.runtime.cli.args import UserErrorParser, add_model_options, model_arg, providers_arg
 from ortspec.runtime.decoding.options import SpeculativeOptions
 from ortspec.runtime.errors import InvalidOptionError, OrtspecError
-from ortspec.runtime.ort.machine import cpu_model
 from ortspec.runtime.cli.progress import progress_bar
 from ortspec.runtime.validation import check_int
 
-from . import report
+from . import provenance, report
 from .checkpoint import Checkpoint
 from .runner import SPECULATIVE, BenchConfig, Method, method_drafter, run_pairs
 from .workload import CATEGORIES, SPLITS, BenchPrompt, interleave_categories, load_questions
@@ -75,19 +72,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         if a not in ANCHORS:
             raise InvalidOptionError(f"unknown anchor {a!r}; choose from {ANCHORS}")
     return args
-
-
-def machine_description() -> dict[str, Any]:
-    import onnxruntime as ort
-
-    mem = None
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as f:
-            mem = next((ln.split()[1] for ln in f if ln.startswith("MemTotal")), None)
-    except OSError:
-        pass
-    return {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "mem_kib": mem, "python": platform.python_version(),
-            "onnxruntime": ort.__version__, "platform": platform.platform()}
 
 
 def _anchor_speedups(names: list[str], prompts: list[BenchPrompt], model, config: BenchConfig,
@@ -197,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "ortspec bench " + " ".join(shlex.quote(a) for a in argv)
     title = f"{model_dir.name}, {args.split} split, T={args.temperature}, {len(prompts)} prompts"
     meta = {"command": command, "date": dt.datetime.now().isoformat(timespec="seconds"),
-            "machine": machine_description(), "model": str(model_dir),
+            "machine": provenance.machine(), "model": str(model_dir),
             "manifest_source": model.manifest.source, "config": vars(config), "methods": names,
             "skipped": skipped, "anchors": anchors,
             "anchor_records": anchor_raw, "title": title,

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 from .args import UserErrorParser, add_model_options, model_arg, providers_arg
 from ..drafters import DRAFTER_NAMES, NEEDS_DRAFT_MODEL
 from ..errors import InvalidOptionError, InvalidPromptError, OrtspecError
-from ..paths import default_model_path, models_dir  # noqa: F401 - re-exported
 from ..validation import check_int
 
 if TYPE_CHECKING:

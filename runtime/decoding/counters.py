@@ -59,10 +59,6 @@ class DecodeCounters:
     def acceptance_by_position(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
 
-    @property
-    def other_seconds(self) -> float:
-        return max(0.0, self.total_seconds - self.model_seconds - self.draft_seconds - self.sample_seconds)
-
     def count_block(self, block: DraftBlock, n_accepted: int) -> None:
         """Count one verified block: its `len(block)` drafted tokens (by position and by
         `block.source`) and the first `n_accepted` of them accepted. The decode loop calls it

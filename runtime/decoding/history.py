@@ -21,44 +21,28 @@ class TokenHistory(list):
         super().__init__(*args)
         self.edits = 0
 
-    def _edited(self) -> None:
+
+# every list method that changes it other than at its end: each counts an edit, then runs
+EDITING_METHODS = ("__setitem__", "__delitem__", "__imul__", "pop", "insert", "remove", "clear",
+                   "sort", "reverse")
+
+
+def _counting_an_edit(inherited: Any) -> Any:
+    """`inherited` (a method of list), counting an edit before it runs."""
+
+    def method(self: TokenHistory, *a: Any, **k: Any) -> Any:
         self.edits += 1
+        return inherited(self, *a, **k)
 
-    def __setitem__(self, *a: Any) -> None:
-        self._edited()
-        super().__setitem__(*a)
+    method.__name__ = inherited.__name__
+    method.__qualname__ = f"TokenHistory.{inherited.__name__}"
+    method.__doc__ = inherited.__doc__
+    return method
 
-    def __delitem__(self, *a: Any) -> None:
-        self._edited()
-        super().__delitem__(*a)
 
-    def __imul__(self, *a: Any) -> "TokenHistory":
-        self._edited()
-        return super().__imul__(*a)
-
-    def pop(self, *a: Any) -> Any:
-        self._edited()
-        return super().pop(*a)
-
-    def insert(self, *a: Any) -> None:
-        self._edited()
-        super().insert(*a)
-
-    def remove(self, *a: Any) -> None:
-        self._edited()
-        super().remove(*a)
-
-    def clear(self) -> None:
-        self._edited()
-        super().clear()
-
-    def sort(self, *a: Any, **k: Any) -> None:
-        self._edited()
-        super().sort(*a, **k)
-
-    def reverse(self) -> None:
-        self._edited()
-        super().reverse()
+for _name in EDITING_METHODS:
+    setattr(TokenHistory, _name, _counting_an_edit(getattr(list, _name)))
+del _name
 
 
 class HistoryFollower:

@@ -29,7 +29,8 @@ from .history import TokenHistory
 from .options import FinishReason, SpeculativeDecodeResult, SpeculativeOptions, check_options, \
     check_prompt
 from .protocols import Decoder, DraftLengthPolicy, Drafter, as_decoder, check_drafter
-from .sampling import DraftBlock, check_logits, sample_from, verify_block, warp
+from .sampling import DraftBlock, sample_from, verify_block, warp
+from ..validation import check_logits
 
 Steps = Generator[list[int], None, SpeculativeDecodeResult]  # tokens per target call; the result
 

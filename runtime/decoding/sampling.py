@@ -17,8 +17,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import DrafterError, InvalidDistributionError, InvalidOptionError, NonFiniteLogitsError
-from ..validation import check_int, is_int
+from ..errors import DrafterError, InvalidDistributionError, InvalidOptionError
+from ..validation import check_int, check_logits, is_int
 
 PROB_SUM_TOL = 1e-6  # a DraftDist's probabilities must sum to 1 within this
 RESIDUAL_EPS = 1e-12  # a residual with less mass than this is rounding noise: fall back to p_target
@@ -41,15 +41,6 @@ def check_sampling_options(temperature: float, top_k: int | None, top_p: float |
         or not 0.0 < top_p <= 1.0
     ):
         raise InvalidOptionError(f"top_p must be None or in (0, 1], got {top_p!r}")
-
-
-def check_logits(logits: np.ndarray) -> None:
-    if not np.isfinite(logits).all():
-        bad = np.flatnonzero(~np.isfinite(logits.reshape(-1)))
-        raise NonFiniteLogitsError(
-            f"the model returned {bad.size} non-finite logits (first at flat index {bad[0]}: "
-            f"{logits.reshape(-1)[bad[0]]}); logits must be finite"
-        )
 
 
 def _top_p_keep(probs: np.ndarray, top_p: float) -> np.ndarray:

@@ -39,7 +39,6 @@ from typing import Callable, Iterator, Protocol
 import numpy as np
 
 from .calibration import CostCurve, CostSurface
-from ..decoding.protocols import DraftLengthPolicy  # noqa: F401 - the protocol this module implements
 from ..decoding.sampling import DraftBlock
 
 # -- acceptance ---------------------------------------------------------------------------------

@@ -46,10 +46,11 @@ import numpy as np
 import onnxruntime as ort
 
 from . import manifest as mf
-from ..errors import ConcurrentUseError, InvalidOptionError, ManifestError, NonFiniteLogitsError
-from .graph_io import call_width, logit_rows_for
-from .sessions import KV_MODES, OrtSessions  # noqa: F401 - KV_MODES re-exported
-from ..validation import check_token_block, is_int
+from ..errors import ConcurrentUseError, InvalidOptionError, ManifestError
+from .graph_io import (ATTENTION_MASK, INPUT_IDS, LOGIT_ROWS, LOGITS, POSITION_IDS, TOKEN_ROWS,
+                       call_width, logit_rows_for)
+from .sessions import OrtSessions
+from ..validation import check_logits, check_token_block, check_truncate_length
 
 
 class OrtDecoder:
@@ -188,13 +189,8 @@ class OrtDecoder:
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` tokens of the cache (0 <= length <= self.length). O(1)."""
-        if not is_int(length):
-            raise InvalidOptionError(f"truncate length must be an integer, got {length!r}")
         with self._owned():
-            if not 0 <= length <= self._length:
-                raise InvalidOptionError(f"cannot truncate to {length}: the cache holds "
-                                         f"{self._length} tokens (allowed 0..{self._length})")
-            self._length = int(length)
+            self._length = check_truncate_length(length, self._length)
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -256,10 +252,8 @@ class OrtDecoder:
         else:  # [N, vocab], the wanted rows first
             logits = self._logits[: wanted.size * self.vocab_size].reshape(wanted.size,
                                                                             self.vocab_size)
-        if not np.isfinite(logits).all():  # the positions read (a prompt chunk: its last)
-            lo, hi = self._length + int(wanted[0]), self._length + int(wanted[-1])
-            raise NonFiniteLogitsError(f"the {entry} graph returned NaN or infinite logits at "
-                                       f"positions {lo}..{hi}")
+        check_logits(logits, first_position=self._length + int(wanted[0]),  # the positions read
+                     source=f"the {entry} graph")  # (a prompt chunk: its last)
         self._length = total
         self._current = (self._current + 1) % len(self._kv_sets)  # ping-pong: present is current
         return logits.copy() if copy else logits
@@ -321,16 +315,16 @@ class _Binding:
         self.io = session.io_binding()
         inputs = {i.name for i in session.get_inputs()}
         outputs = {o.name for o in session.get_outputs()}
-        needed_in = {mf.INPUT_IDS, mf.ATTENTION_MASK, *(p for p, _ in names)}
-        needed_out = {mf.LOGITS, *(q for _, q in names)}
+        needed_in = {INPUT_IDS, ATTENTION_MASK, *(p for p, _ in names)}
+        needed_out = {LOGITS, *(q for _, q in names)}
         missing = sorted((needed_in - inputs) | (needed_out - outputs))
-        extra = sorted(inputs - needed_in - {mf.POSITION_IDS, mf.LOGIT_ROWS, mf.TOKEN_ROWS})
+        extra = sorted(inputs - needed_in - {POSITION_IDS, LOGIT_ROWS, TOKEN_ROWS})
         if missing or extra:
             raise ManifestError(f"{model_dir}: graph I/O does not match the manifest "
                                 f"(missing {missing}, unexpected inputs {extra})")
-        self.has_positions = mf.POSITION_IDS in inputs
-        self.has_logit_rows = mf.LOGIT_ROWS in inputs
-        self.has_token_rows = mf.TOKEN_ROWS in inputs
+        self.has_positions = POSITION_IDS in inputs
+        self.has_logit_rows = LOGIT_ROWS in inputs
+        self.has_token_rows = TOKEN_ROWS in inputs
         for (past_name, present_name), src, dst in zip(names, past, present, strict=True):
             self.io.bind_ortvalue_input(past_name, src)
             self.io.bind_ortvalue_output(present_name, dst)  # shared mode: src is dst, in place
@@ -340,14 +334,14 @@ class _Binding:
                   tokens: np.ndarray, take: np.ndarray | None, logits: ort.OrtValue) -> None:
         """ids [1, S]; tokens [S]: 0..S-1, the positions a packing graph computes (a lone
         token's padding copy included: the MatMuls see two rows)."""
-        self.io.bind_cpu_input(mf.INPUT_IDS, ids)
-        self.io.bind_cpu_input(mf.ATTENTION_MASK, mask)
+        self.io.bind_cpu_input(INPUT_IDS, ids)
+        self.io.bind_cpu_input(ATTENTION_MASK, mask)
         if self.has_positions:
-            self.io.bind_cpu_input(mf.POSITION_IDS, positions)
+            self.io.bind_cpu_input(POSITION_IDS, positions)
         if self.has_token_rows:
-            self.io.bind_cpu_input(mf.TOKEN_ROWS, tokens)
+            self.io.bind_cpu_input(TOKEN_ROWS, tokens)
         if take is not None:
-            self.io.bind_cpu_input(mf.LOGIT_ROWS, take)
+            self.io.bind_cpu_input(LOGIT_ROWS, take)
         if logits is not self._bound_logits:
-            self.io.bind_ortvalue_output(mf.LOGITS, logits)
+            self.io.bind_ortvalue_output(LOGITS, logits)
             self._bound_logits = logits

@@ -9,7 +9,7 @@ A model directory holds everything the runtime needs and nothing it executes:
 The export writes the manifest with `Manifest.to_json`; the runtime reads it with
 `read_manifest`, which checks types and ranges and that every file it names stays inside the
 directory and matches its recorded sha256. Graph inputs and outputs follow fixed names
-(`ortspec.runtime.ort.graph_io`, re-exported here):
+(`ortspec.runtime.ort.graph_io`):
 
     input_ids                  int64  [B, S]
     attention_mask             int64  [B, W]   row b: past_b + S ones, then zeros (W >= each)
@@ -46,9 +46,6 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ManifestError
-from .graph_io import (  # noqa: F401 - the schema's I/O names, re-exported
-    ATTENTION_MASK, INPUT_IDS, LOGIT_ROWS, LOGITS, POSITION_IDS, TOKEN_ROWS, past_key_name,
-    past_value_name, present_key_name, present_value_name)
 from .onnx_guard import check_graph
 from ..validation import is_int
 
@@ -328,25 +325,12 @@ def parse_manifest(data: Any) -> Manifest:
                             "manifest.files")
     max_batch = _int_in(data, "max_batch", 1, MAX_BATCH, "manifest") if "max_batch" in data else 1
     return Manifest(
-        source=source,
-        architecture=arch,
-        dtype=dtype,
-        capacity=capacity,
-        max_verify_len=max_verify_len,
-        entry_points=entry_points,
-        stop_token_ids=tuple(stops),
-        tokenizer=_get(data, "tokenizer", str, "manifest"),
-        chat_format=chat_format,
-        chat_template=template,
-        bos_token_id=bos,
-        files=dict(files),
-        draft_of=draft_of,
-        extra=extra,
-        format_version=version,
-        min_call_rows=min_rows,
-        min_attention_rows=attention_rows,
-        row_probe=row_probe,
-        max_batch=max_batch,
+        source=source, architecture=arch, dtype=dtype, capacity=capacity,
+        max_verify_len=max_verify_len, entry_points=entry_points, stop_token_ids=tuple(stops),
+        tokenizer=_get(data, "tokenizer", str, "manifest"), chat_format=chat_format,
+        chat_template=template, bos_token_id=bos, files=dict(files), draft_of=draft_of,
+        extra=extra, format_version=version, min_call_rows=min_rows,
+        min_attention_rows=attention_rows, row_probe=row_probe, max_batch=max_batch,
     )
 
 

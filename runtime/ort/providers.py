@@ -22,6 +22,7 @@ from typing import Any
 import onnxruntime as ort
 
 from . import manifest as mf
+from .graph_io import ATTENTION_MASK, INPUT_IDS, LOGIT_ROWS, past_key_name, past_value_name
 from ..errors import ProviderError
 
 TENSORRT = "TensorrtExecutionProvider"
@@ -168,11 +169,11 @@ def tensorrt_profiles(manifest: mf.Manifest) -> dict[str, str]:
     a = manifest.architecture
     kv = f"1x{a.num_kv_heads}x{manifest.capacity}x{a.head_dim}"
     kv_names = [n for i in range(a.num_layers)
-                for n in (mf.past_key_name(i), mf.past_value_name(i))]
+                for n in (past_key_name(i), past_value_name(i))]
 
     def shapes(s: int, total: int) -> list[str]:  # logit_rows: the call's N <= S rows
-        return [f"{mf.INPUT_IDS}:1x{s}", f"{mf.ATTENTION_MASK}:1x{total}",
-                f"{mf.LOGIT_ROWS}:{s}", *(f"{n}:{kv}" for n in kv_names)]
+        return [f"{INPUT_IDS}:1x{s}", f"{ATTENTION_MASK}:1x{total}",
+                f"{LOGIT_ROWS}:{s}", *(f"{n}:{kv}" for n in kv_names)]
 
     step = manifest.entry_points["step"]
     verify = manifest.entry_points["verify"]

@@ -20,12 +20,13 @@ import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as _ort_errors
 
 from . import manifest as mf
+from .graph_io import LOGIT_ROWS, past_key_name, past_value_name, present_key_name, present_value_name
 from ..errors import InvalidOptionError, ManifestError
 from .providers import TENSORRT, choose_providers, default_kv_mode, kv_device
 from .row_invariance import lone_rows_exact
 from ..validation import check_int
 
-PREFILL_CHUNK = 128  # tokens per prefill call where the graph's sequence axis is dynamic
+DYNAMIC_PREFILL_CALL_TOKENS = 128  # tokens per prefill call where the graph's sequence axis is dynamic
 # tokens per call of a prompt whose logits are read at its last position only (`prefill`), where
 # the graph runs its LM head on the rows `logit_rows` names: the SmolLM2-135M fp32 target reads
 # a 1,536-token prompt in 0.90x the time in chunks of 512 as of 128 (0.87x in one call)
@@ -96,27 +97,27 @@ class OrtSessions:
         self.intra_op_threads: int = first.get_session_options().intra_op_num_threads
         self.providers: list[str] = first.get_providers()
         in_types = {i.name: i.type for i in first.get_inputs()}
-        kv_dtype = _KV_DTYPES.get(in_types.get(mf.past_key_name(0), ""))
+        kv_dtype = _KV_DTYPES.get(in_types.get(past_key_name(0), ""))
         if kv_dtype is None:
-            raise ManifestError(f"{self.model_dir}: graph input {mf.past_key_name(0)!r} is missing "
+            raise ManifestError(f"{self.model_dir}: graph input {past_key_name(0)!r} is missing "
                                 f"or not float32/float16")
         self.kv_dtype: type = kv_dtype
         a = m.architecture
         self.kv_shape = [1, a.num_kv_heads, m.capacity, a.head_dim]
         self.kv_device: tuple[str, int] = kv_device(self.provider_config)
         self.kv_names = [(past, present) for i in range(a.num_layers)
-                         for past, present in ((mf.past_key_name(i), mf.present_key_name(i)),
-                                               (mf.past_value_name(i), mf.present_value_name(i)))]
+                         for past, present in ((past_key_name(i), present_key_name(i)),
+                                               (past_value_name(i), present_value_name(i)))]
         # a prompt is fed in chunks: longer ones than a verify block where the graph's sequence
         # dimension is dynamic (not under TensorRT, whose profiles stop at max_verify_len);
         # 128 tokens amortise the per-call cost for a 25 MB logits buffer
         self.prefill_chunk: int = self.max_verify_len
         if TENSORRT not in self.providers:
-            self.prefill_chunk = max(self.max_verify_len, min(PREFILL_CHUNK, m.capacity))
+            self.prefill_chunk = max(self.max_verify_len, min(DYNAMIC_PREFILL_CALL_TOKENS, m.capacity))
         self.longest_call: int = max(self.prefill_chunk, *(e.max_len for e in m.entry_points.values()))
         self.prompt_chunk: int = self.prefill_chunk
         verify_inputs = {i.name for i in self.by_entry["verify"].get_inputs()}
-        if TENSORRT not in self.providers and mf.LOGIT_ROWS in verify_inputs:
+        if TENSORRT not in self.providers and LOGIT_ROWS in verify_inputs:
             scratch = PROMPT_SCRATCH_BYTES // (4 * a.num_heads * m.capacity)
             self.prompt_chunk = max(self.prefill_chunk, min(PROMPT_CHUNK, m.capacity, scratch))
         # what the cost-curve cache is keyed by: this graph's checksum

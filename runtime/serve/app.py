@@ -25,12 +25,12 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ModelBusyError, OrtspecError
 from ..model import Model
 from .engine import Engine, Outcome, Piece, QueueFull, Ticket
-from .metrics import CONTENT_TYPE_LATEST
 from .protocol import (
     ApiError,
     GenerationRequest,

@@ -25,7 +25,6 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
-from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the app
 
 from ..batching.runner import BatchStats
 from ..decoding.counters import DecodeCounters

@@ -1,4 +1,4 @@
-"""`scripts/bench_serve.py` end to end on a tiny batched export: it starts one `ortspec serve` per
+"""The serving benchmark (`python -m ortspec.runtime.bench.serving`) end to end on a tiny batched export: it starts one `ortspec serve` per
 drafter, drives them with the official openai client at several concurrencies, and its record
 says what the servers did (requests per batched call, every output against its serial run)."""
 
@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from helpers.export import make_tiny_llama
+from ortspec.export.tiny import make_tiny_llama
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_serve.py"
+BENCHMARK = [sys.executable, "-m", "ortspec.runtime.bench.serving"]
 
 pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
@@ -31,7 +30,7 @@ def tiny_window(tmp_path_factory):
 def test_the_serving_benchmark_records_batched_calls_and_serial_outputs(tiny_window, tmp_path):
     out = tmp_path / "run"
     r = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model", str(tiny_window), "--drafters", "prompt-lookup,none",
+        [*BENCHMARK, "--model", str(tiny_window), "--drafters", "prompt-lookup,none",
          "--concurrency", "1,4", "--requests", "8", "--rounds", "2", "--max-tokens", "24",
          "--overhead-requests", "0", "--out", str(out)],
         cwd=tmp_path, capture_output=True, text=True, timeout=900)
@@ -58,7 +57,7 @@ def test_distinct_prompts_send_each_prompt_once_and_check_them_against_a_serial_
         tiny_window, tmp_path):
     out = tmp_path / "run"
     r = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model", str(tiny_window), "--drafters", "none",
+        [*BENCHMARK, "--model", str(tiny_window), "--drafters", "none",
          "--distinct-prompts", "--concurrency", "1,2", "--requests", "2", "--rounds", "2",
          "--max-tokens", "12", "--overhead-requests", "0", "--out", str(out)],
         cwd=tmp_path, capture_output=True, text=True, timeout=900)
@@ -71,22 +70,17 @@ def test_distinct_prompts_send_each_prompt_once_and_check_them_against_a_serial_
     assert "serial pass none: 4 prompts" in r.stdout
     # too few prompts for distinct batches: refused before any server starts
     r = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model", str(tiny_window), "--drafters", "none",
+        [*BENCHMARK, "--model", str(tiny_window), "--drafters", "none",
          "--distinct-prompts", "--concurrency", "1,2", "--requests", "4", "--rounds", "2"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "--distinct-prompts needs" in r.stderr
 
 
-def test_dev_split_prompts_keep_the_categories_asked_for(monkeypatch):
-    import importlib.util
-
+def test_dev_split_prompts_keep_the_categories_asked_for():
+    from ortspec.runtime.bench import serving as bench_serve
     from ortspec.runtime.bench.workload import load_questions
     from ortspec.runtime.errors import InvalidOptionError
 
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # as `python scripts/bench_serve.py` has it
-    spec = importlib.util.spec_from_file_location("bench_serve", SCRIPT)
-    bench_serve = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_serve)
     category = {q.text: q.category for q in load_questions(split="dev")}
     got = bench_serve.load_prompts("spec-bench-dev", per_category=2, categories=["qa", "translation"])
     assert len(got) == 4 and sorted(category[t] for t in got) == ["qa", "qa", "translation", "translation"]

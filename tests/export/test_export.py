@@ -10,14 +10,15 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from helpers.export import (EOS_ID, make_tiny_llama, make_tiny_qwen2, make_tokenizer,
-                            make_unsupported)
+from ortspec.export.tiny import (EOS_ID, make_tiny_llama, make_tiny_qwen2, make_tokenizer,
+                                 make_unsupported)
 from onnx import TensorProto
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
 from ortspec.export import ExportOptionError, export_model
 from ortspec.export import validate as validate_mod
+from ortspec.runtime.ort import graph_io as gio
 from ortspec.runtime.ort import manifest as mf
 from ortspec.runtime.errors import ExportError, ManifestError
 
@@ -66,14 +67,14 @@ def test_graph_inputs_and_outputs_follow_the_manifest(which, request):
     # a dynamic batch axis (the GQA graph runs B = 1; the window flavour takes B rows)
     kv = ["batch", a.num_kv_heads, CAP, a.head_dim]
     # logit_rows: the flat positions b * S + s whose logits the call computes
-    expected_in = {mf.INPUT_IDS: (TensorProto.INT64, ["batch", "sequence_length"]),
-                   mf.ATTENTION_MASK: (TensorProto.INT64, ["batch", "total_sequence_length"]),
-                   mf.LOGIT_ROWS: (TensorProto.INT64, ["logit_rows"])}
-    expected_out = {mf.LOGITS: (TensorProto.FLOAT, ["logit_rows", a.vocab_size])}
+    expected_in = {gio.INPUT_IDS: (TensorProto.INT64, ["batch", "sequence_length"]),
+                   gio.ATTENTION_MASK: (TensorProto.INT64, ["batch", "total_sequence_length"]),
+                   gio.LOGIT_ROWS: (TensorProto.INT64, ["logit_rows"])}
+    expected_out = {gio.LOGITS: (TensorProto.FLOAT, ["logit_rows", a.vocab_size])}
     for i in range(a.num_layers):
-        expected_in[mf.past_key_name(i)] = expected_in[mf.past_value_name(i)] = \
+        expected_in[gio.past_key_name(i)] = expected_in[gio.past_value_name(i)] = \
             (TensorProto.FLOAT, kv)
-        expected_out[mf.present_key_name(i)] = expected_out[mf.present_value_name(i)] = \
+        expected_out[gio.present_key_name(i)] = expected_out[gio.present_value_name(i)] = \
             (TensorProto.FLOAT, kv)
     assert ins == expected_in
     assert outs == expected_out
@@ -97,12 +98,12 @@ def test_the_lm_head_runs_on_the_rows_logit_rows_names(llama_dir):
     rng = np.random.default_rng(0)
     ids = rng.integers(0, a.vocab_size, size=(1, 6))
     past = {n: np.zeros((1, a.num_kv_heads, CAP, a.head_dim), np.float32)
-            for i in range(a.num_layers) for n in (mf.past_key_name(i), mf.past_value_name(i))}
+            for i in range(a.num_layers) for n in (gio.past_key_name(i), gio.past_value_name(i))}
 
     def logits(rows):
-        feed = {mf.INPUT_IDS: ids, mf.ATTENTION_MASK: np.ones((1, 6), np.int64),
-                mf.LOGIT_ROWS: np.array(rows, np.int64), **past}
-        return session.run([mf.LOGITS], feed)[0]
+        feed = {gio.INPUT_IDS: ids, gio.ATTENTION_MASK: np.ones((1, 6), np.int64),
+                gio.LOGIT_ROWS: np.array(rows, np.int64), **past}
+        return session.run([gio.LOGITS], feed)[0]
 
     every = logits(range(6))
     assert every.shape == (6, a.vocab_size)
@@ -291,8 +292,8 @@ def test_fp16_export_keeps_fp32_logits(llama_src, tmp_path):
                        dtype="fp16", progress=False)
     m = mf.read_manifest(out)
     _, ins, outs = _io(out / "model.onnx")
-    assert ins[mf.past_key_name(0)][0] == TensorProto.FLOAT16
-    assert outs[mf.LOGITS][0] == TensorProto.FLOAT
+    assert ins[gio.past_key_name(0)][0] == TensorProto.FLOAT16
+    assert outs[gio.LOGITS][0] == TensorProto.FLOAT
     v = m.extra["validation"]
     assert v["verify_vs_pytorch"] <= v["bound_vs_pytorch"]
     assert v["bound_vs_pytorch"] == pytest.approx(0.02 * v["max_abs_logit"])

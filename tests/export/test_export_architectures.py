@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.export import EOS_ID, VOCAB, _save, _scale_up, make_tokenizer
+from ortspec.export.tiny import EOS_ID, VOCAB, make_tokenizer, save_checkpoint, scale_up
 from transformers import (AutoConfig, AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM,
                           Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
@@ -20,9 +20,10 @@ from transformers import (AutoConfig, AutoModelForCausalLM, Gemma2Config, Gemma2
                           SmolLM3ForCausalLM)
 
 from ortspec.export import export_model
-from ortspec.export.validate import TOLERANCES
+from ortspec.runtime.check.tolerances import TOLERANCES
 from ortspec.runtime import (PromptLookupSpeculator, SpeculativeOptions, load_model,
                              plain_decode, speculative_decode_with)
+from ortspec.runtime.ort import graph_io as gio
 from ortspec.runtime.ort import manifest as mf
 from ortspec.runtime.cli.check import main as check_main
 from ortspec.runtime.errors import ExportError
@@ -42,14 +43,14 @@ pytestmark = pytest.mark.slow  # builds and exports torch checkpoints
 def _build(directory, model_cls, config, *, seed=0, biases=False):
     torch.manual_seed(seed)
     model = model_cls(config)
-    _scale_up(model)
+    scale_up(model)
     if biases:  # zero-initialised otherwise: would test nothing
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
                              layer.self_attn.v_proj):
                     proj.bias.normal_(0.0, 0.5)
-    return _save(model, directory, make_tokenizer())
+    return save_checkpoint(model, directory, make_tokenizer())
 
 
 def llama3(directory):
@@ -292,7 +293,7 @@ def _check_batch_rows(out):
     from ortspec.runtime.ort.sessions import OrtSessions
 
     sessions = OrtSessions(out, providers=["CPUExecutionProvider"])
-    assert mf.TOKEN_ROWS in {i.name for i in sessions.by_entry["verify"].get_inputs()}
+    assert gio.TOKEN_ROWS in {i.name for i in sessions.by_entry["verify"].get_inputs()}
     backend = OrtBatchBackend(sessions, max_rows=3)
     solo = OrtDecoder.on(sessions)
     ids = _prompt()

@@ -44,7 +44,7 @@ def test_default_manifest_describes_smollm2(default_dir):
 def test_default_model_logits_match_pytorch(default_dir, checkpoint):
     from tokenizers import Tokenizer
 
-    from ortspec.export.validate import TOLERANCES
+    from ortspec.runtime.check.tolerances import TOLERANCES
     from ortspec.runtime.ort.decoder import OrtDecoder
 
     m = mf.read_manifest(default_dir, verify_checksums=False)

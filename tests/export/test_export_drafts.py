@@ -3,7 +3,7 @@ the MatMulNBits layout against onnxruntime itself, the int4 and layer-skip graph
 PyTorch, the manifest pairing, greedy identity of speculative decoding with a draft, refusal of
 bad options before anything is written, and the all-or-nothing update of a target directory.
 
-The tiny models come from helpers/export.py; the last tests (marked slow) use the real default
+The tiny models come from ortspec.export.tiny; the last tests (marked slow) use the real default
 model, whose drafts they export on first use into its cached directory."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from helpers.export import make_tiny_llama, make_tiny_qwen2
+from ortspec.export.tiny import make_tiny_llama, make_tiny_qwen2
 from onnx import TensorProto, helper, numpy_helper
 
 from ortspec.export import DraftOptionError, ExportOptionError, add_draft, export_model
@@ -21,6 +21,7 @@ from ortspec.export import drafts as drafts_mod
 from ortspec.export.quantize import quantize_blockwise
 from ortspec.runtime import (DraftModelDrafter, DrafterSpec, SpeculativeOptions, load_model,
                              plain_decode, speculative_decode_with)
+from ortspec.runtime.ort import graph_io as gio
 from ortspec.runtime.ort import manifest as mf
 from ortspec.runtime.errors import DrafterError, ExportError, InvalidOptionError, ManifestError
 from ortspec.runtime.ort.decoder import OrtDecoder
@@ -176,7 +177,7 @@ def test_int4_draft_uses_matmul_nbits_and_shares_the_8_bit_table(target_dir):
     assert len(gemms) == 4 * LAYERS and all(n.input[1].endswith(".offsets") for n in gemms)
     assert "Add" not in ops
     assert [list(n.input)[1] for n in model.graph.node if n.op_type == "Gather"] == [
-        mf.LOGIT_ROWS]
+        gio.LOGIT_ROWS]
     nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     # per layer: qkv, o, gate+up (fused), down; then the LM head
     assert len(nbits) == 4 * LAYERS + 1

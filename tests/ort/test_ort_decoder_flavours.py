@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from helpers.export import make_tiny_llama, make_tiny_qwen2
+from ortspec.export.tiny import make_tiny_llama, make_tiny_qwen2
 
 from ortspec.export import ExportOptionError, export_model
 from ortspec.runtime.ort import manifest as mf

@@ -22,6 +22,7 @@ import pytest
 from helpers.export import write_graph_dir
 from onnx import TensorProto, helper, numpy_helper
 
+from ortspec.runtime.ort import graph_io as gio
 from ortspec.runtime.ort import manifest as mf
 from ortspec.runtime.errors import ManifestError
 from ortspec.runtime.load import load_model
@@ -281,7 +282,7 @@ def test_graph_io_not_matching_the_manifest_is_refused_before_a_session(dir_copy
 
 def test_a_renamed_graph_input_is_refused_before_a_session(dir_copy, no_sessions):
     model = onnx.load(str(dir_copy / "model.onnx"), load_external_data=False)
-    old = mf.ATTENTION_MASK
+    old = gio.ATTENTION_MASK
     for i in model.graph.input:
         if i.name == old:
             i.name = "mask"
@@ -455,7 +456,7 @@ def test_a_graph_onnxruntime_refuses_is_a_manifest_error(dir_copy):
     """Well-formed protobuf, right I/O, listed and checksummed, but an operator onnxruntime does
     not know."""
     model = onnx.load(str(dir_copy / "model.onnx"), load_external_data=False)
-    model.graph.node.append(helper.make_node("NoSuchOp", [mf.INPUT_IDS], ["unused"]))
+    model.graph.node.append(helper.make_node("NoSuchOp", [gio.INPUT_IDS], ["unused"]))
     (dir_copy / "model.onnx").write_bytes(model.SerializeToString())
     _relist(dir_copy, "model.onnx")
     with pytest.raises(ManifestError, match="model.onnx"):

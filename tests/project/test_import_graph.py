@@ -16,7 +16,10 @@ The rules:
   onnxruntime, tokenizers): never torch, transformers, onnx or the other export-only packages,
   not even inside a function. The server, `ortspec.runtime.serve` (the `serve` extra), may also
   import its web stack (fastapi, uvicorn, prometheus_client, ...); the rest of the runtime
-  reaches the server only inside a function (the CLI's `serve` subcommand).
+  reaches the server only inside a function (the CLI's `serve` subcommand). The benchmark may
+  import matplotlib and tqdm inside functions; its anchors, the peers they run (torch,
+  transformers, onnxruntime_genai), and its serving benchmark, the openai client and
+  prometheus_client's parser, each inside functions too.
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ BENCH_DEPENDENCIES = {"matplotlib", "tqdm"}  # pyproject's `bench` extra, inside
 ANCHORS = BENCH + ".anchors"
 # the anchors run the peers in their own venv (scripts/setup_anchors.sh), in a subprocess
 ANCHOR_DEPENDENCIES = {"onnxruntime_genai", "torch", "transformers"}
+SERVING_BENCH = BENCH + ".serving"
+# the serving benchmark drives a server through the official client (the `test` extra) and reads
+# its /metrics with the server's own parser (the `serve` extra), inside functions
+SERVING_BENCH_DEPENDENCIES = {"openai", "prometheus_client"}
 EXPORT_ONLY = {"torch", "transformers", "gguf", "accelerate", "onnx", "onnxscript", "tqdm",
                "safetensors", "huggingface_hub", "matplotlib", "scipy"}
 
@@ -245,6 +252,8 @@ def test_the_runtime_imports_only_the_standard_library_and_its_dependencies():
             allowed = allowed | BENCH_DEPENDENCIES
             if _in(imp.source, ANCHORS) and not imp.module_level:
                 allowed = allowed | ANCHOR_DEPENDENCIES
+            if _in(imp.source, SERVING_BENCH) and not imp.module_level:
+                allowed = allowed | SERVING_BENCH_DEPENDENCIES
         if (top in EXPORT_ONLY and top not in allowed) or not (top in sys.stdlib_module_names or top == "ortspec"
                                       or top in allowed):
             bad.append(imp.where())

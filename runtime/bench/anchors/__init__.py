@@ -50,6 +50,7 @@ from .anchor_io import (
 )
 
 __all__ = [
+    "AnchorRun",
     "AnchorUnavailable",
     "DEFAULT_SYSTEM_PROMPT",
     "default_paths",
@@ -193,52 +194,69 @@ def _genai_ready(python: Path, model_dir: Path) -> AnchorUnavailable | None:
     return None
 
 
-def run_genai_anchor(
-    prompts: Sequence[Mapping[str, Any]],
-    *,
-    max_new_tokens: int = 128,
-    repeats: int = 1,
-    precision: str = "fp32",
-    model_dir: str | Path | None = None,
-    ngram_size: int = 3,
-    max_draft_tokens: int = 10,
-    threads: int | None = None,
-    temperature: float = 0.0,
-    seed: int = 0,
-    modes: Sequence[str] = ("plain", "ngram"),
-    warmup: bool = True,
-    python: str | Path | None = None,
-    timeout: float | None = None,
-) -> list[dict[str, Any]] | AnchorUnavailable:
-    """onnxruntime-genai: plain vs n-gram speculative decoding, interleaved per prompt.
-
-    `precision` picks models/cache/genai-smollm2-{fp32,int4,int4-acc1} unless `model_dir` is
-    given (int4: MatMulNBits with int8 activations, accuracy_level 4, the builder's default;
-    int4-acc1: fp32 compute, under which the n-gram output stays identical to plain).
-    """
+def _genai_paths(python: str | Path | None, precision: str, model_dir: str | Path | None
+                 ) -> tuple[Path, Path] | AnchorUnavailable:
+    """The anchors' interpreter and genai's model directory (`model_dir`, else the one of
+    `precision`), or why the genai anchor cannot run with them."""
     paths = default_paths()
     python = Path(python) if python else paths["anchors_python"]
     if model_dir is None and f"genai_{precision}" not in paths:
         return AnchorUnavailable("onnxruntime-genai", f"unknown precision {precision!r}")
     model_dir = Path(model_dir) if model_dir else paths[f"genai_{precision}"]
     problem = _genai_ready(python, model_dir)
-    if problem is not None:
-        return problem
-    args = [
-        "--model", str(model_dir),
-        "--max-new-tokens", str(max_new_tokens),
-        "--repeats", str(repeats),
-        "--ngram-size", str(ngram_size),
-        "--max-draft-tokens", str(max_draft_tokens),
-        "--temperature", str(temperature),
-        "--seed", str(seed),
-        "--modes", ",".join(modes),
-    ]  # fmt: skip
-    if threads is not None:
-        args += ["--threads", str(threads)]
-    if not warmup:
-        args.append("--no-warmup")
-    return _run_script("onnxruntime-genai", str(python), "genai_anchor", args, prompts, timeout)
+    return (python, model_dir) if problem is None else problem
+
+
+@dataclass(frozen=True)
+class AnchorRun:
+    """The options every anchor run takes (`run_genai_anchor`'s and `run_hf_anchor`'s keyword
+    `**options`), given to each anchor's script as the same flags."""
+
+    max_new_tokens: int = 128
+    repeats: int = 1
+    threads: int | None = None
+    temperature: float = 0.0
+    seed: int = 0
+    modes: Sequence[str] = ("plain", "ngram")
+    warmup: bool = True
+    timeout: float | None = None  # seconds the anchor's subprocess may take
+
+    def args(self) -> list[str]:
+        args = ["--max-new-tokens", str(self.max_new_tokens), "--repeats", str(self.repeats),
+                "--temperature", str(self.temperature), "--seed", str(self.seed),
+                "--modes", ",".join(self.modes)]
+        if self.threads is not None:
+            args += ["--threads", str(self.threads)]
+        if not self.warmup:
+            args.append("--no-warmup")
+        return args
+
+
+def run_genai_anchor(
+    prompts: Sequence[Mapping[str, Any]],
+    *,
+    precision: str = "fp32",
+    model_dir: str | Path | None = None,
+    ngram_size: int = 3,
+    max_draft_tokens: int = 10,
+    python: str | Path | None = None,
+    **options: Any,
+) -> list[dict[str, Any]] | AnchorUnavailable:
+    """onnxruntime-genai: plain vs n-gram speculative decoding, interleaved per prompt;
+    `options`: `AnchorRun`'s.
+
+    `precision` picks models/cache/genai-smollm2-{fp32,int4,int4-acc1} unless `model_dir` is
+    given (int4: MatMulNBits with int8 activations, accuracy_level 4, the builder's default;
+    int4-acc1: fp32 compute, under which the n-gram output stays identical to plain).
+    """
+    run = AnchorRun(**options)
+    found = _genai_paths(python, precision, model_dir)
+    if isinstance(found, AnchorUnavailable):
+        return found
+    python, model_dir = found
+    args = ["--model", str(model_dir), "--ngram-size", str(ngram_size),
+            "--max-draft-tokens", str(max_draft_tokens), *run.args()]
+    return _run_script("onnxruntime-genai", str(python), "genai_anchor", args, prompts, run.timeout)
 
 
 def genai_step_latency(
@@ -252,14 +270,10 @@ def genai_step_latency(
     timeout: float | None = None,
 ) -> dict[str, Any] | AnchorUnavailable:
     """onnxruntime-genai's median single-token step latency (ms) at ~`context` cached tokens."""
-    paths = default_paths()
-    python = Path(python) if python else paths["anchors_python"]
-    if model_dir is None and f"genai_{precision}" not in paths:
-        return AnchorUnavailable("onnxruntime-genai", f"unknown precision {precision!r}")
-    model_dir = Path(model_dir) if model_dir else paths[f"genai_{precision}"]
-    problem = _genai_ready(python, model_dir)
-    if problem is not None:
-        return problem
+    found = _genai_paths(python, precision, model_dir)
+    if isinstance(found, AnchorUnavailable):
+        return found
+    python, model_dir = found
     args = ["--model", str(model_dir), "--step-latency", str(context), "--steps", str(steps)]
     if threads is not None:
         args += ["--threads", str(threads)]
@@ -272,23 +286,18 @@ def genai_step_latency(
 def run_hf_anchor(
     prompts: Sequence[Mapping[str, Any]],
     *,
-    max_new_tokens: int = 128,
-    repeats: int = 1,
     gguf: str | Path | None = None,
     prompt_lookup_num_tokens: int = 10,
     ngram_size: int | None = None,
-    threads: int | None = None,
-    temperature: float = 0.0,
-    seed: int = 0,
-    modes: Sequence[str] = ("plain", "ngram"),
-    warmup: bool = True,
     python: str | Path | None = None,
-    timeout: float | None = None,
+    **options: Any,
 ) -> list[dict[str, Any]] | AnchorUnavailable:
-    """HF transformers on PyTorch: greedy generate vs prompt lookup, interleaved per prompt.
+    """HF transformers on PyTorch: greedy generate vs prompt lookup, interleaved per prompt;
+    `options`: `AnchorRun`'s.
 
     Runs under `python` (default: this interpreter, i.e. the main venv), in a subprocess.
     """
+    run = AnchorRun(**options)
     system = "hf-transformers"
     python = str(python) if python else sys.executable
     gguf = Path(gguf) if gguf else default_paths()["gguf"]
@@ -299,19 +308,8 @@ def run_hf_anchor(
         return AnchorUnavailable(system, f"{python} lacks {', '.join(missing)} (pip install 'ortspec[export]')")
     if not gguf.exists():
         return AnchorUnavailable(system, f"no model at {gguf} ({SETUP_HINT} extracts the GGUF)")
-    args = [
-        "--gguf", str(gguf),
-        "--max-new-tokens", str(max_new_tokens),
-        "--repeats", str(repeats),
-        "--prompt-lookup-num-tokens", str(prompt_lookup_num_tokens),
-        "--temperature", str(temperature),
-        "--seed", str(seed),
-        "--modes", ",".join(modes),
-    ]  # fmt: skip
+    args = ["--gguf", str(gguf), "--prompt-lookup-num-tokens", str(prompt_lookup_num_tokens),
+            *run.args()]
     if ngram_size is not None:
         args += ["--ngram-size", str(ngram_size)]
-    if threads is not None:
-        args += ["--threads", str(threads)]
-    if not warmup:
-        args.append("--no-warmup")
-    return _run_script(system, python, "hf_anchor", args, prompts, timeout)
+    return _run_script(system, python, "hf_anchor", args, prompts, run.timeout)

@@ -90,12 +90,6 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def write_jsonl(path: str | Path, rows: Iterable[Mapping[str, Any]]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-
-
 def prompt_digest(ids: Sequence[int]) -> str:
     """Short digest of a token id sequence: equal digests = the same input tokens."""
     return hashlib.sha256(json.dumps([int(t) for t in ids]).encode()).hexdigest()[:16]
@@ -126,17 +120,6 @@ def run_record(
         "matches_plain": (new == first_plain) if (greedy and first_plain is not None) else None,
         "stats": stats,
     }
-
-
-def mark_matches(records: list[dict[str, Any]], greedy: bool) -> None:
-    """Fill `matches_plain` in place (see the module docstring)."""
-    first_plain: dict[str, list[int]] = {}
-    for r in records:
-        if r["mode"] == "plain" and r["id"] not in first_plain:
-            first_plain[r["id"]] = r["output_ids"]
-    for r in records:
-        ref = first_plain.get(r["id"])
-        r["matches_plain"] = (r["output_ids"] == ref) if (greedy and ref is not None) else None
 
 
 def _geomean(xs: Sequence[float]) -> float:
@@ -239,6 +222,12 @@ def add_common_args(parser, prompts_required: bool = True) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     parser.add_argument("--modes", default="plain,ngram", help="comma-separated subset of plain,ngram")
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up of each mode")
+
+
+def generate_options(args: Any, **own: Any) -> dict[str, Any]:
+    """The keywords of an anchor's `generate` from `add_common_args`'s options, with its own."""
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                **own)
 
 
 def parse_modes(text: str) -> list[str]:

@@ -181,13 +181,8 @@ def main(argv=None) -> int:
         "max_draft_tokens": args.max_draft_tokens,
     }
     meta["options"] = options
-    gen_kw = dict(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        seed=args.seed,
-        ngram_size=args.ngram_size,
-        max_draft_tokens=args.max_draft_tokens,
-    )
+    gen_kw = anchor_io.generate_options(args, ngram_size=args.ngram_size,
+                                        max_draft_tokens=args.max_draft_tokens)
     eos = set(int(t) for t in tokenizer.eos_token_ids)
     gen_kw["eos_ids"] = eos
 

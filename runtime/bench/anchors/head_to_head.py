@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 from ortspec.runtime import load_model
+from ortspec.runtime.bench import provenance
 from ortspec.runtime.bench.runner import BenchConfig, Method, run_pairs
 from ortspec.runtime.bench.workload import SPLITS, interleave_categories, load_questions
 
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     table = _table(records)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"command": " ".join(sys.argv), "machine": platform.processor() or platform.machine(),
+    meta = {"command": " ".join(sys.argv), "machine": provenance.machine(),
             "threads": args.threads, "split": args.split, "prompts": len(prompts),
             "max_new_tokens": args.max_new_tokens, "wall_seconds": round(time.time() - started)}
     (out / "results.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))

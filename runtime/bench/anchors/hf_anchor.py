@@ -126,13 +126,8 @@ def main(argv=None) -> int:
             "max_matching_ngram_size": args.ngram_size,
         },
     }
-    gen_kw = dict(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        seed=args.seed,
-        lookup_tokens=args.prompt_lookup_num_tokens,
-        ngram_size=args.ngram_size,
-    )
+    gen_kw = anchor_io.generate_options(args, lookup_tokens=args.prompt_lookup_num_tokens,
+                                        ngram_size=args.ngram_size)
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, (list, tuple)) else [eos])
 

@@ -3,12 +3,12 @@ concurrency, speculative and plain, whether every output is the one its serial r
 many requests the server's batched calls carried, and the server's overhead per token against
 in-process `Model.generate`.
 
-    python scripts/bench_serve.py [--model DIR] [--drafters prompt-lookup,none] \
+    python -m ortspec.runtime.bench.serving [--model DIR] [--drafters prompt-lookup,none] \
         [--concurrency 1,2,4,8,16] [--requests 16] [--rounds 3] [--max-tokens 64] \
         [--overhead-requests 16] [--out DIR]
-    python scripts/bench_serve.py --url http://127.0.0.1:8000 ...   # a server already running
+    python -m ortspec.runtime.bench.serving --url http://127.0.0.1:8000 ...   # one already running
 
-Without --url the script starts one `ortspec serve` per drafter on free local ports
+Without --url the benchmark starts one `ortspec serve` per drafter on free local ports
 (--max-concurrent = the highest concurrency), one after another, and stops them at the end. Every
 request is a chat request, streamed, temperature 0, usage included, from the prompt set
 (--prompts: 8 short chat prompts, or the Spec-Bench dev split's first turns) in turn. A model
@@ -53,18 +53,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from serve_bench_report import markdown_name, checks, identical, markdown, plot, rows_delta, \
+from . import provenance
+from .server import ServerError, ServerProcess, free_port, http_get, ortspec_serve
+from .serving_report import checks, identical, markdown, markdown_name, plot, rows_delta, \
     rows_summary, summarise
+
+# what the record lists the versions of: the server's stack and the client's
+VERSIONS = ("ortspec", "onnxruntime", "tokenizers", "numpy", "fastapi", "starlette", "uvicorn",
+            "httptools", "uvloop", "openai", "httpx")
 
 CHAT_PROMPTS = [
     "Summarise in two sentences: the water cycle moves water between oceans, air and land.",
@@ -160,10 +163,9 @@ def run_batch(url: str, name: str, prompts: list[str], concurrency: int, n_reque
 
 def _metric_families(url: str) -> list:
     """The server's /metrics, parsed."""
-    import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    return list(text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text))
+    return list(text_string_to_metric_families(http_get(url + "/metrics", timeout=30)))
 
 
 def scrape_prefix_cache(url: str) -> dict | None:
@@ -249,79 +251,16 @@ def overhead(url: str, name: str, prompts: list[str], model, drafter: str, n_req
             "pairs": rows}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_server(model_dir: Path, max_concurrent: int, drafter: str,
-                  prefix_cache_mib: float | None) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+                  prefix_cache_mib: float | None) -> ServerProcess:
+    port = free_port()
     extra = [] if prefix_cache_mib is None else ["--prefix-cache-mib", str(prefix_cache_mib)]
-    proc = subprocess.Popen([sys.executable, "-m", "ortspec.runtime.cli.main", "serve", "--model",
-                             str(model_dir), "--port", str(port), "--max-concurrent",
-                             str(max_concurrent), "--drafter", drafter, "--log-level", "warning",
-                             *extra])
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def _wait_ready(proc: subprocess.Popen, url: str) -> None:
-    import httpx
-
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with status {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    raise SystemExit("the server did not answer /health in 300 s")
-
-
-def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version()}
-    for pkg in ("ortspec", "onnxruntime", "tokenizers", "numpy", "fastapi", "starlette",
-                "uvicorn", "httptools", "uvloop", "openai", "httpx"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            pass
-    return out
-
-
-def _checkout() -> dict:
-    """The commit of the checkout the servers run, and the tracked files changed since (outside
-    benchmarks/, results that do not change what runs)."""
-    root = Path(__file__).resolve().parent.parent
-
-    def git(*args: str) -> str | None:
-        try:
-            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
-                                  timeout=30, check=True).stdout
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    status = git("status", "--porcelain", "--untracked-files=no")
-    commit = git("rev-parse", "HEAD")
-    return {"commit": commit and commit.strip(),
-            "changed": None if status is None else [
-                ln[3:] for ln in status.splitlines() if not ln[3:].startswith("benchmarks/")]}
-
-
-def _machine() -> dict:
-    from ortspec.runtime.ort.machine import cpu_model
-
-    return {"cpu": cpu_model(), "logical_cpus": os.cpu_count(), "platform": platform.platform()}
+    return ServerProcess(ortspec_serve(model_dir, port, "--max-concurrent", str(max_concurrent),
+                                       "--drafter", drafter, "--log-level", "warning", *extra),
+                         port, ready_s=300, stop_s=60)
 
 
 def main(argv: list[str] | None = None) -> int:
-    import httpx
-
     from ortspec.runtime.cli.args import model_arg
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -375,21 +314,22 @@ def main(argv: list[str] | None = None) -> int:
             return None
         start = (rnd * len(levels) + levels.index(c)) * args.requests
         return list(range(start, start + args.requests))
-    procs: list[subprocess.Popen] = []
+    servers: list[ServerProcess] = []
     urls: dict[str, str] = {}
     started = time.time()
     load_before = os.getloadavg()
-    checkout = _checkout()  # what the servers load now
+    checkout = provenance.checkout()  # what the servers load now
     try:
         if args.url:
             urls[drafters[0]] = args.url
         else:
             for d in drafters:  # one at a time: a server measures its cost curve and surface
-                proc, urls[d] = _start_server(model_dir, max(levels), d,  # as it starts, and
-                                              args.prefix_cache_mib)
-                procs.append(proc)  # two measuring at once would each time a loaded machine
-                _wait_ready(proc, urls[d])
-        name = httpx.get(urls[drafters[0]] + "/v1/models", timeout=10).json()["data"][0]["id"]
+                try:  # as it starts, and two measuring at once would each time a loaded machine
+                    servers.append(_start_server(model_dir, max(levels), d, args.prefix_cache_mib))
+                except ServerError as e:
+                    raise SystemExit(str(e)) from None
+                urls[d] = servers[-1].url
+        name = json.loads(http_get(urls[drafters[0]] + "/v1/models", timeout=10))["data"][0]["id"]
         for d in drafters:  # warm-up: the first requests of a fresh process are slower
             run_batch(urls[d], name, prompts, 2, 4, args.max_tokens)
         over = []  # first, while the servers' draft-length policies have seen only the warm-up
@@ -450,10 +390,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"serial pass {d}: {len(rest)} prompts", flush=True)
         ident = identical(batches, drafters, levels, serial_pass) if args.rounds else None
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(60)
+        for server in servers:
+            server.stop()
     res = {"config": {"model": name, "model_dir": str(model_dir), "drafters": drafters,
                       "concurrency": levels, "requests": args.requests, "rounds": args.rounds,
                       "max_tokens": args.max_tokens, "temperature": 0, "seed": args.seed,
@@ -461,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
                       "server_max_concurrent": max(levels),
                       "prefix_cache_mib": args.prefix_cache_mib,
                       "distinct_prompts": args.distinct_prompts, "command": " ".join(sys.argv)},
-           "versions": _versions(), "checkout": checkout, "machine": _machine(),
+           "versions": provenance.versions(VERSIONS), "checkout": checkout,
+           "machine": provenance.machine(),
            "started": time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(started)),
            "duration_s": time.time() - started,
            "load_average_before": load_before, "load_average_after": os.getloadavg(),

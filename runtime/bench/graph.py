@@ -1,17 +1,19 @@
 """Per-call latency and memory of an exported model's graph, through OrtDecoder.
 
-    python scripts/bench_graph.py [MODEL_DIR] [--context 256] [--lengths 1,2,4,8,16]
-                                  [--reps 30] [--threads N] [--genai-model DIR]
-                                  [--compare DIR ...] [--rss]
+    python -m ortspec.runtime.bench.graph [MODEL_DIR] [--context 256] [--lengths 1,2,4,8,16]
+                                          [--reps 30] [--threads N] [--genai-model DIR]
+                                          [--compare DIR ...] [--rss]
 
 Latency: the cache is filled to `--context` tokens once; each repetition then times one call
 per block length (1 = the step entry point, forward_token; n > 1 = the verify entry point,
 forward_batch), in a shuffled order, rolling back to the context after each call, so every
-call sees the same past. With `--genai-model` (default: models/cache/genai-smollm2-fp32 when it
-exists) onnxruntime-genai's graph for the same model is timed in the same loop, interleaved
+call sees the same past. With `--genai-model` (default: `models_dir()/cache/genai-smollm2-fp32`
+when it exists) onnxruntime-genai's graph for the same model is timed in the same loop, interleaved
 call by call, through the same OrtDecoder binding code; `--compare` adds other ortspec model
 directories (e.g. an `--attention standard` export) the same way. This machine's speed drifts:
 read the ratios, not the absolute numbers.
+
+Without MODEL_DIR the default model's export is timed; it must exist (`ortspec export`).
 
 Memory (`--rss`): a fresh subprocess loads the model, runs a prefill of the context and a
 verify block, and reports its peak RSS against weight bytes + KV bytes. It is started before
@@ -34,11 +36,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ortspec.runtime.ort import manifest as mf
-from ortspec.runtime.ort.decoder import OrtDecoder
+from ..cli.args import model_arg
+from ..errors import OrtspecError
+from ..ort import manifest as mf
+from ..ort.decoder import OrtDecoder
+from ..paths import models_dir
 
-REPO = Path(__file__).resolve().parents[1]
-GENAI_DEFAULT = REPO / "models" / "cache" / "genai-smollm2-fp32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,19 +158,17 @@ def measure_memory_here(model_dir: Path, *, context: int, threads: int | None) -
 
 def measure_memory(model_dir: Path, *, context: int, threads: int | None) -> MemoryReport:
     """In a fresh interpreter, so nothing else this process loaded counts."""
-    cmd = [sys.executable, __file__, str(model_dir), "--context", str(context), "--rss-child"]
+    cmd = [sys.executable, "-m", "ortspec.runtime.bench.graph", str(model_dir), "--context",
+           str(context), "--rss-child"]
     if threads is not None:
         cmd += ["--threads", str(threads)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return MemoryReport(**json.loads(out.strip().splitlines()[-1]))
 
 
-def _default_model_dir() -> Path:
-    try:
-        from ortspec.export import ensure_default_model
-    except ImportError:  # runtime-only install: the export must already exist
-        return REPO / "models" / "exported" / "smollm2-135m-instruct-fp32"
-    return ensure_default_model()
+def _genai_default() -> Path:
+    """onnxruntime-genai's export of the default model, where `scripts/setup_anchors.sh` puts it."""
+    return models_dir() / "cache" / "genai-smollm2-fp32"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--genai-model", type=Path, default=None,
-                   help=f"onnxruntime-genai model directory (default {GENAI_DEFAULT} if present); "
+                   help=f"onnxruntime-genai model directory (default {_genai_default()} if present); "
                         f"'none' to skip")
     p.add_argument("--compare", type=Path, nargs="*", default=[],
                    help="other ortspec model directories to time in the same loop")
@@ -186,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--rss-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    model_dir = args.model_dir or _default_model_dir()
+    try:  # without MODEL_DIR: the default model's export, which must exist (`ortspec export`)
+        model_dir = args.model_dir or model_arg(None)
+    except OrtspecError as e:
+        p.error(str(e))
     if args.rss_child:
         report = measure_memory_here(model_dir, context=args.context, threads=args.threads)
         print(json.dumps(dataclasses.asdict(report)))
@@ -202,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"lengths must be <= {ours.max_verify_len} and context + length <= "
                 f"{ours.capacity}")
     decoders = {"ortspec": ours}
-    genai = args.genai_model if args.genai_model is not None else GENAI_DEFAULT
+    genai = args.genai_model if args.genai_model is not None else _genai_default()
     if str(genai) != "none" and (genai / "genai_config.json").is_file():
         decoders["genai"] = genai_decoder(genai, ours.manifest, args.threads)
     elif args.genai_model is not None and str(genai) != "none":

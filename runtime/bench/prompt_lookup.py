@@ -1,6 +1,6 @@
 """Time PromptLookupSpeculator.propose as the history grows, as a decode loop calls it.
 
-    python scripts/bench_prompt_lookup.py [--max-history 32768]
+    python -m ortspec.runtime.bench.prompt_lookup [--max-history 32768]
 
 Each row: the history length when `propose` was called, and the median / 99th-percentile time
 of one call (index update for the tokens appended since the previous call + lookup). Histories
@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from ortspec.runtime import PromptLookupSpeculator
-from ortspec.runtime.decoding.history import TokenHistory
+from ..decoding.history import TokenHistory
+from ..drafters.prompt_lookup import PromptLookupSpeculator
 
 
 def synthetic_history(n: int, vocab: int = 49152, seed: int = 0) -> list[int]:

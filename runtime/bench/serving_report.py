@@ -1,4 +1,4 @@
-"""The record of a serving benchmark (`bench_serve.py`), from its raw batches to its findings:
+"""The record of a serving benchmark (`serving.py`), from its raw batches to its findings:
 throughput and latency per configuration, every output against its serial run, requests per
 batched call from `ortspec:batch_rows`, its checks (throughput at c=8 over c=1, speculative over plain at c=4, identical outputs), the markdown tables and the plot."""
 
@@ -7,7 +7,9 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-GENERATED = "<!-- written by scripts/bench_serve.py -->"
+GENERATED = "<!-- written by ortspec.runtime.bench.serving -->"
+# the same line in the records written before the benchmark moved into the package
+GENERATED_BEFORE = ("<!-- written by scripts/bench_serve.py -->",)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -144,6 +146,11 @@ def _or_default(value: object) -> str:
     return "default" if value is None else f"{value:g}"
 
 
+def _logical_cpus(machine: dict) -> object:
+    """`provenance.machine`'s cpu_count (logical_cpus in the records written before it)."""
+    return machine.get("cpu_count", machine.get("logical_cpus"))
+
+
 def markdown(res: dict) -> str:
     cfg = res["config"]
     ident = res.get("identical") or {}
@@ -154,7 +161,7 @@ def markdown(res: dict) -> str:
     lines = [GENERATED, "",
              (f"model {cfg['model']}, max_tokens {cfg['max_tokens']}, temperature 0, chat "
               f"requests; servers with --max-concurrent {cfg['server_max_concurrent']}; "
-              f"{res['machine']['logical_cpus']} logical CPUs, load average {load} before, "
+              f"{_logical_cpus(res['machine'])} logical CPUs, load average {load} before, "
               f"{load_after} after; {res['duration_s'] / 60:.1f} min"
               + (f"; checkout {res['checkout']['commit'][:10]}"
                  + (f" (changed: {', '.join(res['checkout']['changed'])})"
@@ -304,9 +311,9 @@ def plot(res: dict, path: Path) -> None:
 
 
 def markdown_name(out: Path) -> str:
-    """results.md, unless a results.md not written by this script is there (a hand-written
+    """results.md, unless a results.md not written by this benchmark is there (a hand-written
     report): then results.tables.md."""
     md = out / "results.md"
-    if md.exists() and not md.read_text().startswith(GENERATED):
+    if md.exists() and not md.read_text().startswith((GENERATED, *GENERATED_BEFORE)):
         return "results.tables.md"
     return "results.md"
