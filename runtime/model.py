@@ -407,41 +407,23 @@ class Model:
         policy = self._request_policy(draft_length, options) if drafter is not None else None
         return TokenStream(self, ids, spec or drafter, options, policy)
 
-    def generate(
-        self,
-        prompt: str | Sequence[int],
-        *,
-        drafter: Drafter | str | DrafterSpec | None = "prompt-lookup",
-        options: SpeculativeOptions | None = None,
-        chat: bool = False,
-        system: str | None = None,
-        draft_length: Any = "auto",
-    ) -> SpeculativeDecodeResult:
-        """`start` run to its end: the result, with the decoded text in `result.text`."""
-        stream = self.start(prompt, drafter=drafter, options=options, chat=chat, system=system,
-                            draft_length=draft_length)
+    def generate(self, prompt: str | Sequence[int], **request: Any) -> SpeculativeDecodeResult:
+        """`start(prompt, **request)` run to its end: the result, with the decoded text in
+        `result.text`. `request` takes `start`'s keywords (drafter, options, chat, system,
+        draft_length)."""
+        stream = self.start(prompt, **request)
         for _ in stream:
             pass
         assert stream.result is not None
         return stream.result
 
-    def stream(
-        self,
-        prompt: str | Sequence[int],
-        *,
-        drafter: Drafter | str | DrafterSpec | None = "prompt-lookup",
-        options: SpeculativeOptions | None = None,
-        chat: bool = False,
-        system: str | None = None,
-        draft_length: Any = "auto",
-    ) -> TextStream:
-        """`start`'s tokens as text: iterating yields text pieces as tokens are accepted
-        (`text.detokenize`); `.result` when done. The slot is taken at the first iteration and
-        given back when the stream ends or is closed. `.tokens` and `.counters` hold what was
-        emitted and counted so far, also after the caller stopped early (a stop string, a
-        client gone)."""
-        return TextStream(self.start(prompt, drafter=drafter, options=options, chat=chat,
-                                     system=system, draft_length=draft_length), self.decode)
+    def stream(self, prompt: str | Sequence[int], **request: Any) -> TextStream:
+        """`start(prompt, **request)`'s tokens as text: iterating yields text pieces as tokens
+        are accepted (`text.detokenize`); `.result` when done. The slot is taken at the first
+        iteration and given back when the stream ends or is closed. `.tokens` and `.counters`
+        hold what was emitted and counted so far, also after the caller stopped early (a stop
+        string, a client gone)."""
+        return TextStream(self.start(prompt, **request), self.decode)
 
 
 class TokenStream:

@@ -66,9 +66,11 @@ def method_drafter(method: Method, *, ngram_size: int, max_draft_len: int) -> Dr
 
 @dataclasses.dataclass
 class BenchConfig:
+    _: dataclasses.KW_ONLY  # options are named where a run is configured
     max_new_tokens: int = 128
-    temperature: float = 0.0
+    temperature: float = 0.0  # of every method (0: greedy)
     repeats: int = 1
+    """each prompt's pair runs this many times, in the reversed order on every other repeat"""
     ngram_size: int = 3
     max_draft_len: int = 8
     seed: int = 0

@@ -90,17 +90,12 @@ class TextStream:
     def __init__(self, tokens: TokenSource, decode: Decode) -> None:
         self.token_stream = tokens
         self._decode = decode
+        # the token stream's own list and counters, which it fills in place
+        self.tokens: list[int] = tokens.tokens
+        self.counters: DecodeCounters = tokens.counters
 
     def __iter__(self) -> Iterator[str]:
         return detokenize(self.token_stream, self._decode)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.token_stream.tokens
-
-    @property
-    def counters(self) -> DecodeCounters:
-        return self.token_stream.counters
 
     @property
     def result(self) -> SpeculativeDecodeResult | None:

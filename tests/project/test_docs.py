@@ -27,12 +27,6 @@ PAGES = [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]
 
 # Benchmark modules being moved out of scripts/ into runtime/bench/ in parallel; the docs
 # already name them. Remove an entry once its module file exists under runtime/bench/.
-PENDING_MODULES = {
-    "ortspec.runtime.bench.serving",         # was scripts/bench_serve.py
-    "ortspec.runtime.bench.serving_report",  # was scripts/serve_bench_report.py
-    "ortspec.runtime.bench.graph",           # was scripts/bench_graph.py
-    "ortspec.runtime.bench.prompt_lookup",   # was scripts/bench_prompt_lookup.py
-}
 PACKAGE_DIRS = {"ortspec.runtime": REPO / "runtime", "ortspec.export": REPO / "export"}
 
 
@@ -63,10 +57,10 @@ PHRASE = object()  # a pattern without a number: only the phrase must be there
 # (file, pattern with one group, the value the code uses)
 QUOTED = [
     # the batch runner's prefill budget: the prompts waiting at once share a call of this many
-    ("docs/architecture.md", r"share a prefill call of up to (\d+) prompt tokens in all", runner.PREFILL_CHUNK),
-    ("docs/architecture.md", r"\((`PREFILL_CHUNK`) in `batching/runner.py`\)", PHRASE),
-    ("docs/batching.md", r"prefill calls of up to (\d+) tokens in all", runner.PREFILL_CHUNK),
-    ("docs/serve.md", r"prefill calls of up to (\d+) prompt tokens in all", runner.PREFILL_CHUNK),
+    ("docs/architecture.md", r"share a prefill call of up to (\d+) prompt tokens in all", runner.BATCH_PREFILL_TOKENS),
+    ("docs/architecture.md", r"\((`BATCH_PREFILL_TOKENS`) in `batching/runner.py`\)", PHRASE),
+    ("docs/batching.md", r"prefill calls of up to (\d+) tokens in all", runner.BATCH_PREFILL_TOKENS),
+    ("docs/serve.md", r"prefill calls of up to (\d+) prompt tokens in all", runner.BATCH_PREFILL_TOKENS),
     # the prefix-wait threshold and the barrier
     ("docs/architecture.md", r"at least (\d+) more tokens \(`PREFIX_WAIT_TOKENS`\)", runner.PREFIX_WAIT_TOKENS),
     ("docs/architecture.md", r"never less than (\d+) ms \(`GATHER_SECONDS`\)", round(runner.GATHER_SECONDS * 1000)),
@@ -74,9 +68,9 @@ QUOTED = [
     # the ORT decoder's prompt chunks, and the fallback of a decoder that states no block limit
     ("docs/architecture.md", r"chunks of up to (\d+) tokens, `PROMPT_CHUNK`", sessions.PROMPT_CHUNK),
     ("docs/architecture.md", r"would pass (\d+) MiB", sessions.PROMPT_SCRATCH_BYTES >> 20),
-    ("docs/architecture.md", r"chunks of `PREFILL_CHUNK`, (\d+),", sessions.PREFILL_CHUNK),
+    ("docs/architecture.md", r"chunks of `DYNAMIC_PREFILL_CALL_TOKENS`, (\d+),", sessions.DYNAMIC_PREFILL_CALL_TOKENS),
     ("docs/architecture.md", r"`FALLBACK_PREFILL_CHUNK` \((\d+)\)", protocols.FALLBACK_PREFILL_CHUNK),
-    ("docs/concurrency.md", r"chunked prefills \((\d+) × vocab floats", sessions.PREFILL_CHUNK),
+    ("docs/concurrency.md", r"chunked prefills \((\d+) × vocab floats", sessions.DYNAMIC_PREFILL_CALL_TOKENS),
     # slots
     ("docs/architecture.md", r"\(`DEFAULT_MAX_CONCURRENT`, (\d+)\)", DEFAULT_MAX_CONCURRENT),
     ("docs/concurrency.md", r"`max_concurrent` \(default (\d+)\)", DEFAULT_MAX_CONCURRENT),
@@ -155,14 +149,8 @@ def _module_file(module: str) -> Path | None:
 def test_modules_the_docs_run_exist():
     named = {m for page in PAGES for m in MODULE.findall(page.read_text(encoding="utf-8"))}
     assert "ortspec.runtime.cli" in named  # the pattern still finds what it should
-    missing = sorted(m for m in named - PENDING_MODULES if _module_file(m) is None)
+    missing = sorted(m for m in named if _module_file(m) is None)
     assert not missing, f"`python -m` modules named in the docs without a module file: {missing}"
-
-
-def test_pending_modules_are_still_pending():
-    """The allowlist shrinks as the modules land: an entry whose file exists is stale."""
-    landed = sorted(m for m in PENDING_MODULES if _module_file(m) is not None)
-    assert not landed, f"remove from PENDING_MODULES (the module exists now): {landed}"
 
 
 def test_readme_is_short_and_starts_with_the_two_commands():
