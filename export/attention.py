@@ -91,7 +91,7 @@ def _gqa_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) -> st
     rope = spec.uses_rope(i)
     # transformers' window W lets a query see itself and the W - 1 positions before it; ORT
     # 1.32's CPU GroupQueryAttention with local_window_size W attends over the same W keys
-    # (step and verify blocks alike: tests/test_export_architectures.py)
+    # (step and verify blocks alike: tests/export/test_export_architectures.py)
     window = spec.window(i)
     attn, _, _ = b.g.op(
         "GroupQueryAttention",

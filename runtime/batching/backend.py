@@ -13,7 +13,7 @@ tokens it does not want (`BatchRunner`'s idle rows), leaves its cache as it was.
   [max_rows, kv_heads, capacity, head_dim] in host memory, bound by address for the rows a call
   covers. Every call runs at least `min_rows` tokens in all (the manifest's `min_call_rows`;
   `call_width` says how wide a call's blocks are padded): the graph's rows are then bitwise
-  independent of S, of the batch size and of the other rows (tests/test_batching.py measures
+  independent of S, of the batch size and of the other rows (tests/batching/test_batching.py measures
   it), so a request's logits never depend on what it was batched with.
 - `ReferenceBatchBackend`: one `ReferenceDecoder` a row, for tests of the scheduling.
 """

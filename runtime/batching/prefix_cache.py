@@ -1,7 +1,7 @@
 """Prompt prefixes whose keys and values a batching runner copies instead of computing them.
 
 A prompt's keys and values at position j depend only on its tokens 0..j, and the batched
-graph's rows are bitwise independent of the call they ran in (`batch_backend.py`). So the
+graph's rows are bitwise independent of the call they ran in (`backend.py`). So the
 cache a finished prefill left in its row holds exactly what a later prompt sharing its first n
 tokens would compute for them: the runner (`BatchRunner`) copies those n positions into the
 new request's row and prefills the rest. Chat requests share their system prompt and template;

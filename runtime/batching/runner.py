@@ -1,9 +1,9 @@
 """Continuous batching beneath the `Decoder` protocol: many requests, one model call a step.
 
 Each request decodes in its own thread exactly as it would alone (`decode_steps`
-with its own drafter, policy, sampler and seed) on a `BatchRow` (`batch_rows.py`), a
+with its own drafter, policy, sampler and seed) on a `BatchRow` (`rows.py`), a
 `Decoder` that owns no KV buffers. A row's calls are jobs for one `BatchRunner` thread, which
-combines the jobs of all rows into one call of the backend (`batch_backend.py`): B rows, each appending its own block
+combines the jobs of all rows into one call of the backend (`backend.py`): B rows, each appending its own block
 (a plain step's token, or a pending token and k drafts) after its own valid length, every
 block padded to the call's S with copies of its last token. Prefill is chunked and alternates
 with the batched calls, so the running rows keep decoding while a prompt is read (the jobs that

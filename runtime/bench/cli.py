@@ -1,7 +1,7 @@
 """`ortspec bench`: plain vs speculative decoding on Spec-Bench, side by side, with anchors.
 
     ortspec bench                                   # dev split, 2 prompts per category, greedy
-    ortspec bench --per-category 0 --temperature 0 --out benchmarks/dev-t0   # the full dev split
+    ortspec bench --per-category 0 --temperature 0 --out benchmarks/tmp/dev-t0   # the full dev split
     ortspec bench --methods plain,prompt-lookup,prompt-lookup:k2,prompt-lookup:k4,prompt-lookup:k8
     ortspec bench --anchors genai,hf                # + onnxruntime-genai and HF transformers
 

@@ -3,7 +3,7 @@
 `CostCurve.measure` times calls of 1..max_len tokens on a decoder; `calibrated_cost_curve`
 reads it from `cache_root()/calibration/` or measures and stores it, keyed by what changes it:
 the model's graph, the provider, the machine's CPU and the intra-op thread count
-(`CalibrationKey`). The draft-length policy (`draft_length.py`) only consumes the curve.
+(`CalibrationKey`). The draft-length policy (`policy.py`) only consumes the curve.
 """
 
 from __future__ import annotations

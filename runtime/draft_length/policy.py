@@ -228,7 +228,7 @@ class CallCosts(Protocol):
 
 
 class BatchCosts:
-    """The costs of a row of a batched model (`batch_rows.BatchRow`): the measured surface at the
+    """The costs of a row of a batched model (`batching.rows.BatchRow`): the measured surface at the
     number of rows decoding now, c(B, k + 1), the call in which this row appends k + 1 tokens
     and the others one each (a graph that packs its tokens computes just those; one that does
     not runs every row at S = k + 1). The call is shared, so the policy weighs the call's

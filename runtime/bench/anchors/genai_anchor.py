@@ -2,7 +2,7 @@
 
 Run with the anchor venv made by scripts/setup_anchors.sh:
 
-    .venv-anchors/bin/python benchmarks/anchors/genai_anchor.py \
+    .venv-anchors/bin/python -m ortspec.runtime.bench.anchors.genai_anchor \
         --model models/cache/genai-smollm2-fp32 --prompts prompts.jsonl --out genai.jsonl \
         --max-new-tokens 128 --repeats 2
 

@@ -1,11 +1,11 @@
 """ortspec and onnxruntime-genai on the same prompts, in one process, interleaved per prompt.
 
     scripts/setup_anchors.sh      # once: genai's models, and ortspec installed into .venv-anchors
-    .venv-anchors/bin/python benchmarks/anchors/head_to_head.py --per-category 4 \
+    .venv-anchors/bin/python -m ortspec.runtime.bench.anchors.head_to_head --per-category 4 \
         --ortspec int4=models/exported/smollm2-135m-instruct-int4 \
         --ortspec fp32=models/exported/smollm2-135m-instruct-fp32 \
         --genai int4=models/cache/genai-smollm2-int4 --genai fp32=models/cache/genai-smollm2-fp32 \
-        --out benchmarks/int4-vs-genai
+        --out benchmarks/tmp/int4-vs-genai
 
 Every system runs every prompt (Spec-Bench dev split by default, rendered as `ortspec bench`
 renders it: the same token ids for every system) greedily, prefill included in the time: ortspec plain and with prompt lookup (the

@@ -2,7 +2,7 @@
 
 Run with the main project venv (torch, transformers 5.x, gguf):
 
-    .venv/bin/python benchmarks/anchors/hf_anchor.py \
+    .venv/bin/python -m ortspec.runtime.bench.anchors.hf_anchor \
         --gguf models/cache/SmolLM2-135M-Instruct.Q4_1.gguf --prompts prompts.jsonl --out hf.jsonl \
         --max-new-tokens 128 --repeats 2
 
