@@ -17,7 +17,16 @@ class InvalidOptionError(OrtspecError, ValueError):
 
 
 class InvalidPromptError(OrtspecError, ValueError):
-    """The prompt is empty, has token ids outside the vocabulary, or does not fit the capacity."""
+    """The prompt is empty, has token ids outside the vocabulary, or does not fit the capacity.
+
+    An error about one token carries `token_index` and `token`, one about the length `length`
+    and `capacity` (None otherwise), for a caller that answers in words of its own (the server)."""
+
+    def __init__(self, message: str, *, token_index: int | None = None, token: object = None,
+                 length: int | None = None, capacity: int | None = None) -> None:
+        super().__init__(message)
+        self.token_index, self.token = token_index, token
+        self.length, self.capacity = length, capacity
 
 
 class InvalidDistributionError(OrtspecError, ValueError):

@@ -65,9 +65,7 @@ def check_options(options: object) -> SpeculativeOptions:
 
 def check_prompt(prompt: Sequence[int], *, vocab_size: int, capacity: int) -> list[int]:
     """The prompt as a list of ints, or InvalidPromptError: a non-empty sequence of token ids in
-    0..vocab_size-1, at most `capacity` of them. An error about one token sets `token_index` and
-    `token` on it, one about the length `length` and `capacity`, for a caller that answers in
-    words of its own (the server)."""
+    0..vocab_size-1, at most `capacity` of them (the error says which token, or the length)."""
     if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
         raise InvalidPromptError(f"the prompt must be a sequence of token ids, got {type(prompt).__name__}")
     prompt = list(prompt)
@@ -75,13 +73,11 @@ def check_prompt(prompt: Sequence[int], *, vocab_size: int, capacity: int) -> li
         raise InvalidPromptError("the prompt is empty; at least one token is needed")
     for i, t in enumerate(prompt):
         if not is_int(t) or not 0 <= t < vocab_size:
-            error = InvalidPromptError(
-                f"prompt token {i} is {t!r}; token ids must be integers in 0..{vocab_size - 1}")
-            error.token_index, error.token = i, t
-            raise error
+            raise InvalidPromptError(
+                f"prompt token {i} is {t!r}; token ids must be integers in 0..{vocab_size - 1}",
+                token_index=i, token=t)
     if len(prompt) > capacity:
-        error = InvalidPromptError(
-            f"the prompt has {len(prompt)} tokens; the model's KV capacity is {capacity}")
-        error.length, error.capacity = len(prompt), capacity
-        raise error
+        raise InvalidPromptError(
+            f"the prompt has {len(prompt)} tokens; the model's KV capacity is {capacity}",
+            length=len(prompt), capacity=capacity)
     return [int(t) for t in prompt]

@@ -175,10 +175,10 @@ def _check_prompt(body: dict, ids: list[int], info: ModelInfo) -> list[int]:
     try:
         checked = check_request(ids, None, drafter=None, facts=info.facts)
     except InvalidPromptError as e:
-        if hasattr(e, "token"):
+        if e.token_index is not None:
             raise invalid(param, f"prompt token id {e.token} is outside the vocabulary "
                                  f"(0..{info.vocab_size - 1})") from None
-        if hasattr(e, "length"):
+        if e.length is not None:
             raise invalid(param, f"the prompt has {e.length} tokens; this model's context holds "
                                  f"at most {info.capacity}") from None
         raise invalid(param, str(e)) from None
