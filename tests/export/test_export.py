@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from ortspec.export import ExportOptionError, export_model
 from ortspec.export import validate as validate_mod
+from ortspec.runtime.check.tolerances import Bound, Tolerances
 from ortspec.runtime.ort import graph_io as gio
 from ortspec.runtime.ort import manifest as mf
 from ortspec.runtime.errors import ExportError, ManifestError
@@ -227,8 +228,8 @@ def test_unsupported_gguf_architecture_is_refused_from_its_header(tmp_path):
 
 def test_a_failed_validation_leaves_nothing_behind(llama_src, tmp_path, monkeypatch):
     # an impossible bound: the gate must fire, and the half-written directory must vanish
-    monkeypatch.setitem(validate_mod.TOLERANCES, "fp32", validate_mod.Tolerances(
-        step_vs_verify=validate_mod.Bound(1.0), vs_pytorch=validate_mod.Bound(0.0)))
+    monkeypatch.setitem(validate_mod.TOLERANCES, "fp32", Tolerances(
+        step_vs_verify=Bound(1.0), vs_pytorch=Bound(0.0)))
     out = tmp_path / "a" / "b" / "out"
     with pytest.raises(ExportError, match="validation failed"):
         export_model(llama_src, out=out, capacity=CAP, max_verify_len=VERIFY, progress=False)
