@@ -49,6 +49,17 @@ TOLERANCES = {
 }
 
 
+# The hidden_states output (the residual streams an EAGLE-3 head reads), checked at export with
+# the logits' style of bound, scaled by the largest |value| of the PyTorch reference's states:
+# between the entry points as the logits (32 float32 ulps of the scale); against PyTorch 1e-3
+# or 1e-5 of the scale, since the residual stream grows with depth (real models carry outlier
+# dimensions in the hundreds) where the logits are bounded by the LM head. float32 only: the
+# option is refused for other graphs.
+HIDDEN_STATE_TOLERANCES = {
+    "fp32": Tolerances(step_vs_verify=Bound(1e-4, 4e-6), vs_pytorch=Bound(1e-3, 1e-5)),
+}
+
+
 def comparison_length(capacity: int, max_verify_len: int) -> int:
     """Tokens in the comparison prompt: min(capacity, max(48, 2 * max_verify_len + 5)), at
     least two full verify blocks and a partial one where the capacity allows."""
