@@ -90,16 +90,17 @@ def check_hidden_states_option(value: HiddenStatesOption, *, attention: str,
 
 def resolve_layers(value: str | tuple[int, ...], num_layers: int) -> tuple[int, ...]:
     """The layer ids for a checkpoint of `num_layers` layers: "auto" -> eagle3_layers, each id
-    in 1..num_layers - 1 (the state entering that layer), no id twice."""
+    in 1..num_layers - 1 (the state entering that layer), no id twice (an EAGLE-3 head's `fc`
+    reads one state per id; vLLM's membership test would return a repeated one once)."""
     ids = eagle3_layers(num_layers) if value == AUTO else tuple(value)
+    # (2, L // 2, L - 3) is three distinct ids in range from L = 7 on
+    why = f" from {AUTO!r}, which needs a model of 7 layers or more" if value == AUTO else ""
     if num_layers < 2 or not all(1 <= i <= num_layers - 1 for i in ids):
         raise ExportOptionError(f"hidden_states: layer ids must lie in 1..{num_layers - 1} (the "
                                 f"state entering that decoder layer) for a model of {num_layers} "
-                                f"layers, got {list(ids)}"
-                                + (" from 'auto' (2, L // 2, L - 3 needs L >= 4)"
-                                   if value == AUTO else ""))
+                                f"layers, got {list(ids)}{why}")
     if len(set(ids)) != len(ids):
-        raise ExportOptionError(f"hidden_states: layer ids repeat: {list(ids)}")
+        raise ExportOptionError(f"hidden_states: layer ids repeat: {list(ids)}{why}")
     return ids
 
 
