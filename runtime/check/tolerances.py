@@ -51,12 +51,13 @@ TOLERANCES = {
 
 # The hidden_states output (the residual streams an EAGLE-3 head reads), checked at export with
 # the logits' style of bound, scaled by the largest |value| of the PyTorch reference's states:
-# between the entry points as the logits (32 float32 ulps of the scale); against PyTorch 1e-3
-# or 1e-5 of the scale, since the residual stream grows with depth (real models carry outlier
-# dimensions in the hundreds) where the logits are bounded by the LM head. float32 only: the
-# option is refused for other graphs.
+# 1e-4 or 4e-6 of the scale (about 32 float32 ulps) both between the entry points and against
+# PyTorch. The residual stream carries outlier dimensions far above the logits' scale:
+# SmolLM2-135M's states entering layers 2, 15, 27 reach 22517 (one float32 ulp there is 0.002),
+# and measure 2.6e-4 verify vs step and 1.95e-3 against PyTorch, under bounds of 0.09. float32
+# only: the option is refused for other graphs.
 HIDDEN_STATE_TOLERANCES = {
-    "fp32": Tolerances(step_vs_verify=Bound(1e-4, 4e-6), vs_pytorch=Bound(1e-3, 1e-5)),
+    "fp32": Tolerances(step_vs_verify=Bound(1e-4, 4e-6), vs_pytorch=Bound(1e-3, 4e-6)),
 }
 
 
