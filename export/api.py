@@ -41,6 +41,7 @@ from .errors import ExportOptionError
 from .graph_spec import ATTENTIONS, DEFAULT_OPSET, LM_HEADS, MAX_OPSET, MIN_OPSET, \
     QUANT_SCHEMES, QUANTS, GraphOptions, WeightQuant, weight_quant
 from .graphs import build_decoder
+from .hidden_states import HiddenStatesOption, check_hidden_states_option, resolve_layers
 from .row_probe import PROBE_FILE, write_row_probe
 from .sources import DEFAULT_RECIPE, Source, identify_source, materialize, source_num_layers
 
@@ -206,7 +207,8 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
                  overwrite: bool = False, draft_quant: str | None = None,
                  draft_layers: int | None = None, draft_only: bool = False,
                  quant: str | None = None, lm_head: str = "int8",
-                 quant_scheme: str = "block-min") -> Path:
+                 quant_scheme: str = "block-min",
+                 hidden_states: HiddenStatesOption = None) -> Path:
     """Export `source` (a Hugging Face model directory, a .gguf file, or None for the default
     model) to the directory `out`; returns its path. Raises ExportError (ExportOptionError for a
     bad option) with nothing written.
@@ -227,7 +229,14 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
     manifest (drafts.py). With draft_only, `out` (default: where this export would go) is an
     existing target directory and only the draft is added to it (`add_draft`); the graph
     options are then the target's, and `overwrite` replaces an existing draft of that name.
-    Overwriting a target replaces its directory, drafts included."""
+    Overwriting a target replaces its directory, drafts included.
+
+    hidden_states: "auto" (EAGLE-3's default layers (2, L // 2, L - 3)) or layer ids: the graph
+    also returns the residual stream entering each listed decoder layer at the rows whose
+    logits it computes, as the output `hidden_states` [N, len(ids) * hidden] float32, and the
+    manifest lists the ids (`hidden_state_layers`); see hidden_states.py for the convention.
+    float32 gqa or window graphs without quant only. None (the default): the graph is
+    unchanged."""
     if opset is None and attention in ATTENTIONS:
         opset = DEFAULT_OPSET[attention]
     if not isinstance(draft_only, bool):
@@ -239,6 +248,11 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
     capacity, max_verify_len, opset = check_options(
         capacity=capacity, max_verify_len=max_verify_len, dtype=dtype, opset=opset,
         attention=attention, quant=quant, lm_head=lm_head, quant_scheme=quant_scheme)
+    hidden = check_hidden_states_option(hidden_states, attention=attention, quant=quant,
+                                        dtype=dtype)
+    if hidden is not None and draft_only:
+        raise ExportOptionError("hidden_states changes the target's graph; draft_only adds a "
+                                "draft to an existing target and builds no target graph")
     if quant is not None and draft_quant is not None and not draft_only:
         raise ExportOptionError(f"quant={quant!r} makes the target {quant} already; a draft of "
                                 f"it takes draft_layers (and is {quant} too), not draft_quant")
@@ -254,10 +268,13 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
         add_draft(dest, source, quant=draft_quant, layers=draft_layers, overwrite=overwrite,
                   progress=progress)
         return dest
-    if draft is not None:
+    if draft is not None or hidden is not None:
         layers = source_num_layers(src)
         if layers is not None:  # else checked once the checkpoint is loaded, before the build
-            check_draft_layers(draft, layers)
+            if draft is not None:
+                check_draft_layers(draft, layers)
+            if hidden is not None:
+                resolve_layers(hidden, layers)
     if dest.exists() and not overwrite:
         raise ExportError(f"{dest} already exists; pass overwrite=True (--overwrite) to replace it")
     if dest.exists() and not dest.is_dir():
@@ -272,7 +289,7 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
                           enabled=progress, bar_factory=tqdm) as bar:
             _export_into(tmp, src, capacity=capacity, max_verify_len=max_verify_len, dtype=dtype,
                          opset=opset, attention=attention, progress=progress, bar=bar,
-                         started=started, draft=draft,
+                         started=started, draft=draft, hidden=hidden,
                          quant=None if quant is None else weight_quant(
                              quant, lm_head=lm_head, scheme=quant_scheme))
         mf.read_manifest(tmp)  # the directory as the runtime will see it
@@ -302,9 +319,10 @@ def _weight_format(options: GraphOptions, files) -> dict:
 def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, dtype: str,
                  opset: int, attention: str, progress: bool, bar: Any,
                  started: float, draft: DraftOptions | None = None,
-                 quant: WeightQuant | None = None) -> mf.Manifest:
+                 quant: WeightQuant | None = None,
+                 hidden: str | tuple[int, ...] | None = None) -> mf.Manifest:
     from .checkpoint import load_checkpoint  # torch + transformers: only now
-    from .validate import validate_export
+    from .validate import validate_export, validate_hidden_states
 
     def stage(name: str) -> None:
         bar.set_postfix_str(name)
@@ -315,6 +333,7 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
     ckpt = load_checkpoint(src, capacity=capacity, progress=progress and on_terminal())
     if draft is not None:
         check_draft_layers(draft, ckpt.spec.num_layers)
+    hidden_layers = () if hidden is None else resolve_layers(hidden, ckpt.spec.num_layers)
     bar.update()
 
     stage("build")
@@ -322,7 +341,8 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
     layers = ckpt.spec.num_layers
     attention_rows = min_attention_rows(quant=quant, attention=attention)
     options = GraphOptions(capacity=capacity, dtype=dtype, opset=opset, attention=attention,
-                           quant=quant, pad_lone_query=attention_rows > 1)
+                           quant=quant, pad_lone_query=attention_rows > 1,
+                           hidden_state_layers=hidden_layers)
     files = build_decoder(ckpt.spec, options,
                           ckpt.weight, cos, sin, graph_path=tmp / GRAPH_FILE,
                           data_path=tmp / DATA_FILE,
@@ -363,6 +383,7 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
         min_attention_rows=attention_rows,
         row_probe=probe,
         max_batch=MAX_BATCH[attention],
+        hidden_state_layers=hidden_layers or None,
     )
     bar.update()
 
@@ -373,12 +394,16 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
         report = validate_export(
             tmp, manifest, ckpt, reference_weights=dequantized_weights(ckpt, ckpt.spec, options),
             tolerances=dataclasses.replace(QUANT_TOLERANCES, step_vs_verify=Bound(0.0, 0.0)))
+    hidden_report = None if manifest.hidden_state_layers is None else \
+        validate_hidden_states(tmp, manifest, ckpt)
     bar.update()
 
     stage("checksums")
     checksums = {name: mf.sha256_file(tmp / name) for name in (GRAPH_FILE, DATA_FILE,
                                                                TOKENIZER_FILE, probe) if name}
     extra = {**manifest.extra, "validation": report.as_dict(),
+             **({} if hidden_report is None else
+                {"hidden_state_validation": hidden_report.as_dict()}),
              "export_seconds": round(time.perf_counter() - started, 2)}
     manifest = dataclasses.replace(manifest, files=checksums, extra=extra)
     manifest.write(tmp)

@@ -14,6 +14,7 @@ from ortspec.runtime.errors import OrtspecError
 
 from .graph_spec import ATTENTIONS, DEFAULT_OPSET, LM_HEADS, MAX_OPSET, MIN_OPSET, QUANT_SCHEMES, \
     QUANTS
+from .hidden_states import parse_hidden_states
 
 PROG = "ortspec export"
 
@@ -52,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--opset", type=int, default=None,
                    help=f"ai.onnx opset, {MIN_OPSET['gqa']}..{MAX_OPSET} (default "
                         f"{DEFAULT_OPSET['gqa']}; {MIN_OPSET['standard']} with standard attention)")
+    p.add_argument("--hidden-states", default=None,
+                   metavar="auto|L1,L2,L3",
+                   help="also return the residual streams entering these decoder layers (auto: "
+                        "EAGLE-3's 2, L//2, L-3, as vLLM) at the rows the logits are computed "
+                        "for, the inputs of an EAGLE-3 draft head; fp32 gqa or window graphs")
     p.add_argument("--draft-quant", choices=("int4",), default=None,
                    help="also export a self-speculative draft of the same checkpoint with 4-bit "
                         "weights (onnxruntime MatMulNBits) into OUT/drafts/int4")
@@ -86,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
                            progress=not args.quiet, overwrite=args.overwrite,
                            draft_quant=args.draft_quant, draft_layers=args.draft_layers,
                            draft_only=args.draft_only, quant=args.quant, lm_head=args.lm_head,
-                           quant_scheme=args.quant_scheme)
+                           quant_scheme=args.quant_scheme,
+                           hidden_states=None if args.hidden_states is None else
+                           parse_hidden_states(args.hidden_states))
     except (OrtspecError, OSError) as e:
         print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
         return 2

@@ -170,6 +170,9 @@ class GraphOptions:
     # key/value slot is one past the call's and is dropped), so a step attends on the path a
     # verify row takes (Manifest.min_attention_rows)
     pad_lone_query: bool = False
+    # the layer ids whose entering residual stream the graph also returns (hidden_states.py):
+    # () returns none, and the graph is the one without the option, node for node
+    hidden_state_layers: tuple[int, ...] = ()
 
 
 def check_opset(attention: str, opset: int) -> None:

@@ -9,7 +9,9 @@ once. Per layer, as onnxruntime-genai's model builder lays it out for the CPU:
       -> gate * sigmoid(gate) * up -> MatMul(down) -> (next layer's skip norm adds the residual)
 
 and after the last layer the final norm, then the LM head on the rows `logit_rows` names only
-(a prompt chunk needs its last position's logits, a padded block its real positions').
+(a prompt chunk needs its last position's logits, a padded block its real positions'). With
+`GraphOptions.hidden_state_layers` the same rows of the listed layers' residual streams are a
+second output, `hidden_states` (hidden_states.py); without, no node of it exists.
 
 `GroupQueryAttention` applies the rotary embedding itself (do_rotary=1, cos/sin caches of
 `capacity` rows) and writes the new keys/values into the fixed-capacity KV buffer at the
@@ -45,6 +47,7 @@ from ortspec.runtime.ort import graph_io as gio
 from .attention import FLAVOURS, pack_tokens, to_grid
 from .builder import GetWeight, GraphBuilder
 from .graph_spec import MS, NUMPY_DTYPES, DecoderSpec, GraphOptions, check_opset
+from .hidden_states import hidden_states_output
 from .onnx_writer import ExternalDataWriter, NodeList
 
 ONNX_DTYPES = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}
@@ -82,6 +85,9 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
     if options.quant is not None and options.attention == "standard":
         raise ValueError("quantized weights (MatMulNBits, a com.microsoft op) need the gqa or "
                          "window attention flavour")
+    if not all(0 <= i < spec.num_layers for i in options.hidden_state_layers):
+        raise ValueError(f"hidden_state_layers {options.hidden_state_layers} must lie in "
+                         f"0..{spec.num_layers - 1}")
     flavour = FLAVOURS[options.attention]
     with ExternalDataWriter(data_path) as writer:
         b = GraphBuilder(spec, options, get_weight, writer)
@@ -109,9 +115,12 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
             x = b.g.op1("Mul", [x, b.g.const("embed_scale", np.array(
                 spec.embed_scale, NUMPY_DTYPES[options.dtype]))])
         residual = None
+        states: dict[int, str] = {}  # layer id -> the residual stream entering that layer
         for i in range(spec.num_layers):
             p = f"layers.{i}."
             h, residual = b.norm(x, residual, p + "attn_norm")
+            if i in options.hidden_state_layers:  # the norm's own sum: no node added
+                states[i] = residual
             qkv = b.linear(h, [p + "q", p + "k", p + "v"],
                            [p + "q_bias", p + "k_bias", p + "v_bias"], fused=p + "qkv")
             if flat:
@@ -142,6 +151,10 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
         if flavour.packed:  # logit_rows are grid positions
             h = to_grid(b, h, spec.hidden_size, context)
         b.lm_head(h)
+        if options.hidden_state_layers:
+            hidden_states_output(b, [states[i] for i in options.hidden_state_layers],
+                                 to_grid=(lambda t, w: to_grid(b, t, w, context))
+                                 if flavour.packed else None)
         weight_bytes = writer.bytes_written
 
     model = _make_model(spec, options, b.g, b.inits)
@@ -177,6 +190,10 @@ def _make_model(spec: DecoderSpec, options: GraphOptions, g: NodeList,
                                                     ["token_rows"]))
     outputs = [helper.make_tensor_value_info(gio.LOGITS, TensorProto.FLOAT,
                                              ["logit_rows", spec.vocab_size])]
+    if options.hidden_state_layers:
+        width = len(options.hidden_state_layers) * spec.hidden_size
+        outputs.append(helper.make_tensor_value_info(gio.HIDDEN_STATES, TensorProto.FLOAT,
+                                                     ["logit_rows", width]))
     for i in range(spec.num_layers):
         for past, present in ((gio.past_key_name(i), gio.present_key_name(i)),
                               (gio.past_value_name(i), gio.present_value_name(i))):

@@ -5,6 +5,10 @@ verify vs step (the verify entry point in blocks of max_verify_len against the s
 token by token) and verify vs PyTorch (the same logits against one forward pass of the
 checkpoint in float32). The bounds, and the reasons for them, are `ortspec.runtime.check.tolerances`
 (`TOLERANCES`): `ortspec check` applies the same verify-vs-step bound.
+
+An export with hidden states (hidden_states.py) has its `hidden_states` output compared the
+same two ways, per position, with the states PyTorch computes (transformers'
+`output_hidden_states`), under `HIDDEN_STATE_TOLERANCES`: `validate_hidden_states`.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import numpy as np
 from ortspec.runtime.ort import manifest as mf
 from ortspec.runtime.errors import ExportError
 from ortspec.runtime.ort.decoder import OrtDecoder
-from ortspec.runtime.check.tolerances import TOLERANCES, Tolerances, comparison_length
+from ortspec.runtime.check.tolerances import HIDDEN_STATE_TOLERANCES, TOLERANCES, Tolerances, \
+    comparison_length
 
 if TYPE_CHECKING:  # torch is imported only when an export really runs
     from .checkpoint import Checkpoint
@@ -74,16 +79,35 @@ def run_graph(model_dir: Path, manifest: mf.Manifest, ids: np.ndarray) -> \
         tuple[np.ndarray, np.ndarray]:
     """The graph's logits on ids [n] through the verify entry point (in blocks) and through the
     step entry point token by token: ([n, vocab], [n, vocab])."""
+    verify, step, _ = run_graph_outputs(model_dir, manifest, ids)
+    return verify, step
+
+
+def run_graph_outputs(model_dir: Path, manifest: mf.Manifest, ids: np.ndarray) -> \
+        tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+    """run_graph's logits, and for a graph with hidden states the same calls' hidden states
+    (verify [n, width], step [n, width]); None without."""
+    hidden = None
     try:
         decoder = OrtDecoder(model_dir, manifest=manifest, providers=["CPUExecutionProvider"])
         verify = decoder.forward_batch(ids)  # [n, vocab]
+        if manifest.hidden_state_layers is not None:
+            verify_hidden = decoder.last_hidden_states()  # [n, width]
+            step_hidden = []
         decoder.reset()
-        step = np.stack([decoder.forward_token(int(t)) for t in ids])  # [n, vocab]
+        step = []
+        for t in ids:
+            step.append(decoder.forward_token(int(t)))
+            if manifest.hidden_state_layers is not None:
+                step_hidden.append(decoder.last_hidden_states()[0])  # [width]
+        step = np.stack(step)  # [n, vocab]
+        if manifest.hidden_state_layers is not None:
+            hidden = verify_hidden, np.stack(step_hidden)
     except ExportError:
         raise
     except Exception as e:  # noqa: BLE001 - any failure to run the graph fails the export
         raise ExportError(f"the exported graph does not run: {type(e).__name__}: {e}") from e
-    return verify, step
+    return verify, step, hidden
 
 
 def check_logits(verify: np.ndarray, step: np.ndarray, reference: np.ndarray, tol: Tolerances,
@@ -107,4 +131,64 @@ def check_logits(verify: np.ndarray, step: np.ndarray, reference: np.ndarray, to
     if not worst <= report.bound_vs_pytorch:
         raise ExportError(f"validation failed: logits differ from PyTorch by {worst:.3g} > "
                           f"{report.bound_vs_pytorch:.3g} ({what})")
+    return report
+
+
+@dataclasses.dataclass(frozen=True)
+class HiddenStateReport:
+    layers: list[int]  # the manifest's hidden_state_layers
+    step_vs_verify: float  # max |hidden(verify) - hidden(step)| over every position and column
+    verify_vs_pytorch: float
+    step_vs_pytorch: float
+    max_abs_state: float  # of the PyTorch reference: the scale of the differences above
+    bound_step_vs_verify: float
+    bound_vs_pytorch: float
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def torch_hidden_states(checkpoint: Checkpoint, ids: np.ndarray,
+                        layers: tuple[int, ...]) -> np.ndarray:
+    """PyTorch's residual streams entering `layers` on ids [n], one forward pass:
+    [n, len(layers) * hidden] float32, transformers' `hidden_states[k]` for each k in order
+    (index 0 the embeddings, k the output of layer k - 1)."""
+    import torch  # the export's dependency, imported only when an export runs
+
+    with torch.no_grad():
+        out = checkpoint.model(torch.as_tensor(ids, dtype=torch.int64)[None], use_cache=False,
+                               output_hidden_states=True)
+    return np.concatenate([out.hidden_states[k][0].float().numpy() for k in layers], axis=-1)
+
+
+def validate_hidden_states(model_dir: Path, manifest: mf.Manifest,
+                           checkpoint: Checkpoint) -> HiddenStateReport:
+    """Raise ExportError when the `hidden_states` output of the verify or the step entry point
+    strays from PyTorch's states (or the two from each other) beyond HIDDEN_STATE_TOLERANCES.
+    The logits of the same graph are validate_export's, under the logits' own bounds."""
+    layers = manifest.hidden_state_layers
+    assert layers is not None  # internal: called for exports with hidden states only
+    ids = validation_prompt(checkpoint, capacity=manifest.capacity,
+                            max_verify_len=manifest.max_verify_len)
+    _, _, hidden = run_graph_outputs(model_dir, manifest, ids)
+    assert hidden is not None
+    (verify_h, step_h), reference = hidden, torch_hidden_states(checkpoint, ids, layers)
+    tol = HIDDEN_STATE_TOLERANCES[manifest.dtype]
+    scale = float(np.abs(reference).max())
+    report = HiddenStateReport(
+        layers=list(layers),
+        step_vs_verify=float(np.abs(verify_h - step_h).max()),
+        verify_vs_pytorch=float(np.abs(verify_h - reference).max()),
+        step_vs_pytorch=float(np.abs(step_h - reference).max()),
+        max_abs_state=scale,
+        bound_step_vs_verify=tol.step_vs_verify.at(scale),
+        bound_vs_pytorch=tol.vs_pytorch.at(scale),
+    )
+    if not report.step_vs_verify <= report.bound_step_vs_verify:
+        raise ExportError(f"validation failed: verify and step hidden states differ by "
+                          f"{report.step_vs_verify:.3g} > {report.bound_step_vs_verify:.3g}")
+    worst = max(report.verify_vs_pytorch, report.step_vs_pytorch)
+    if not worst <= report.bound_vs_pytorch:
+        raise ExportError(f"validation failed: hidden states of layers {list(layers)} differ "
+                          f"from PyTorch by {worst:.3g} > {report.bound_vs_pytorch:.3g}")
     return report

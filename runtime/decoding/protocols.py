@@ -1,4 +1,5 @@
-"""The interfaces the decode loop is written against: `Decoder`, `Drafter`, `DraftLengthPolicy`.
+"""The interfaces the decode loop is written against: `Decoder`, `Drafter`, `DraftLengthPolicy`;
+and `HiddenStateSource`, the optional capability a trained draft head needs of its target.
 
 The loop calls exactly what these declare, nothing it has to discover. Optional behaviour has a
 documented no-op default in a small base class (`DecoderBase`, `DrafterBase`), so a new drafter
@@ -155,6 +156,24 @@ def prefill_in_chunks(decoder: Decoder, tokens: Sequence[int], chunk: int) -> np
         last = decoder.forward_batch(tokens[lo:lo + chunk])[-1]
     assert last is not None, "prefill of an empty sequence"
     return last
+
+
+class HiddenStateSource(Protocol):
+    """A decoder that also hands out the target's hidden states: what a trained EAGLE-3 head
+    reads. Not part of `Decoder` (the loop never needs it); a drafter that needs it takes a
+    `HiddenStateSource` and says so in its signature. `OrtDecoder` is one, for a model whose
+    manifest lists `hidden_state_layers` (`ortspec export --hidden-states`); for other models
+    its `hidden_state_layers` is None and `last_hidden_states` raises.
+
+    hidden_state_layers: the ids k of the decoder layers whose entering residual stream is
+    returned (the output of layer k - 1, before the final norm; vLLM's EAGLE-3
+    aux_hidden_state_layers), in column order. last_hidden_states(): for the rows whose logits
+    the last forward_token / forward_batch / prefill returned, [rows, K * hidden] float32.
+    """
+
+    hidden_state_layers: tuple[int, ...] | None
+
+    def last_hidden_states(self) -> np.ndarray: ...  # [rows, len(hidden_state_layers) * hidden]
 
 
 class DraftLengthPolicy(Protocol):

@@ -15,7 +15,11 @@ the graph where to write and how far to attend, so `truncate` (a rollback after 
 draft) is an integer assignment, and the logits after it are those of a fresh decode.
 
 Only the logits come back to NumPy, into one preallocated buffer; the OrtValue bound as the
-`logits` output is a view of it, one per row count, rebound when the count changes. A graph
+`logits` output is a view of it, one per row count, rebound when the count changes. A model
+whose manifest lists `hidden_state_layers` also returns, for the same rows, the residual
+streams of those layers (the `hidden_states` output, for EAGLE-3 heads), into a second buffer
+bound the same way; `last_hidden_states()` reads them. For other models nothing of it is
+allocated or bound. A graph
 with the `logit_rows` input (ortspec's exports) computes only the rows a call reads: every
 position of a verify block, the last one of a prompt chunk, none of the padding; one without
 it (an earlier export, onnxruntime-genai's) computes them all.
@@ -47,8 +51,8 @@ import onnxruntime as ort
 
 from . import manifest as mf
 from ..errors import ConcurrentUseError, InvalidOptionError, ManifestError
-from .graph_io import (ATTENTION_MASK, INPUT_IDS, LOGIT_ROWS, LOGITS, POSITION_IDS, TOKEN_ROWS,
-                       call_width, logit_rows_for)
+from .graph_io import (ATTENTION_MASK, HIDDEN_STATES, INPUT_IDS, LOGIT_ROWS, LOGITS,
+                       POSITION_IDS, TOKEN_ROWS, call_width, logit_rows_for)
 from .sessions import OrtSessions
 from ..validation import check_logits, check_token_block, check_truncate_length
 
@@ -134,6 +138,14 @@ class OrtDecoder:
         self._logits = np.empty(longest * self.vocab_size, np.float32)  # [longest * vocab]
         # (N, taken) -> view of _logits as [N, vocab] (taken: logit_rows) or [1, N, vocab]
         self._logit_values: dict[tuple[int, bool], ort.OrtValue] = {}
+        # the hidden_states output: the manifest's layer ids, K * hidden columns
+        self.hidden_state_layers: tuple[int, ...] | None = self.manifest.hidden_state_layers
+        self._hidden_width = self.manifest.hidden_state_width  # 0: the graph has no such output
+        # [longest * width] and its views [N, width] by N; None without the output
+        self._hidden = np.empty(longest * self._hidden_width, np.float32) \
+            if self._hidden_width else None
+        self._hidden_values: dict[int, ort.OrtValue] = {}
+        self._last_hidden: np.ndarray | None = None  # [rows, width]: the last call's returned rows
         # id(session) -> one IOBinding per current KV set (past = that set, present = the next)
         self._bindings: dict[int, list[_Binding]] = {}
         n_sets = len(self._kv_sets)
@@ -141,7 +153,8 @@ class OrtDecoder:
             if id(session) not in self._bindings:
                 self._bindings[id(session)] = [
                     _Binding(session, s.kv_names, self._kv_sets[k],
-                             self._kv_sets[(k + 1) % n_sets], self.model_dir)
+                             self._kv_sets[(k + 1) % n_sets], self.model_dir,
+                             hidden_states=self._hidden is not None)
                     for k in range(n_sets)]
 
     # -- the Decoder protocol -------------------------------------------------------------------
@@ -153,6 +166,7 @@ class OrtDecoder:
     def reset(self) -> None:
         with self._owned():
             self._length = 0
+            self._last_hidden = None
 
     def forward_token(self, token: int) -> np.ndarray:
         """Append one token; its next-token logits, [vocab] float32."""
@@ -166,9 +180,31 @@ class OrtDecoder:
             if len(ids) <= self.prefill_chunk:
                 return self._run("verify", ids)
             out = np.empty((len(ids), self.vocab_size), np.float32)  # [n, vocab]
+            hidden = None if self._hidden is None else \
+                np.empty((len(ids), self._hidden_width), np.float32)  # [n, width]
             for lo, logits in self._chunks(ids):
                 out[lo:lo + len(logits)] = logits
+                if hidden is not None:
+                    hidden[lo:lo + len(logits)] = self._last_hidden
+            if hidden is not None:
+                self._last_hidden = hidden
             return out
+
+    def last_hidden_states(self) -> np.ndarray:
+        """The hidden states of the rows the last forward_token / forward_batch / prefill
+        returned logits for: [rows, K * hidden] float32 (a copy), row r the residual streams
+        entering the decoder layers `hidden_state_layers` lists (K of them, concatenated in that
+        order) at the position whose logits are row r: [1, .] after forward_token and prefill,
+        [n, .] after forward_batch of n tokens. InvalidOptionError for a model exported
+        without `--hidden-states`, or before any call (and after reset)."""
+        with self._owned():
+            if self._hidden is None:
+                raise InvalidOptionError(f"{self.model_dir} was exported without hidden states "
+                                         f"(its manifest lists no hidden_state_layers)")
+            if self._last_hidden is None:
+                raise InvalidOptionError("no hidden states yet: call forward_token, "
+                                         "forward_batch or prefill first")
+            return self._last_hidden.copy()
 
     def prefill(self, tokens: Sequence[int]) -> np.ndarray:
         """forward_batch keeping only the last row: [vocab] float32, without an [n, vocab] array."""
@@ -241,6 +277,7 @@ class OrtDecoder:
             self._all_rows[:rows],  # every position computed: a row's padding copy included
             take,
             self._logits_value(rows if take is None else take.size, taken=take is not None),
+            None if self._hidden is None else self._hidden_value(take.size),
         )
         t0 = time.perf_counter()
         session.run_with_iobinding(binding.io)
@@ -254,6 +291,9 @@ class OrtDecoder:
                                                                             self.vocab_size)
         check_logits(logits, first_position=self._length + int(wanted[0]),  # the positions read
                      source=f"the {entry} graph")  # (a prompt chunk: its last)
+        if self._hidden is not None:  # [wanted, width], a view until the next call
+            self._last_hidden = self._hidden[: wanted.size * self._hidden_width].reshape(
+                wanted.size, self._hidden_width)
         self._length = total
         self._current = (self._current + 1) % len(self._kv_sets)  # ping-pong: present is current
         return logits.copy() if copy else logits
@@ -266,6 +306,15 @@ class OrtDecoder:
                 (n, self.vocab_size) if taken else (1, n, self.vocab_size))
             value = ort.OrtValue.ortvalue_from_numpy(view)  # shares memory with self._logits
             self._logit_values[n, taken] = value
+        return value
+
+    def _hidden_value(self, n: int) -> ort.OrtValue:
+        """The hidden_states output of n rows: a view [n, width] of self._hidden."""
+        value = self._hidden_values.get(n)
+        if value is None:
+            view = self._hidden[: n * self._hidden_width].reshape(n, self._hidden_width)
+            value = ort.OrtValue.ortvalue_from_numpy(view)  # shares memory with self._hidden
+            self._hidden_values[n] = value
         return value
 
     def __repr__(self) -> str:
@@ -311,12 +360,16 @@ class _Binding:
     """One session's IOBinding: KV buffers bound once as past and present, the rest per call."""
 
     def __init__(self, session: ort.InferenceSession, names: list[tuple[str, str]],
-                 past: list[ort.OrtValue], present: list[ort.OrtValue], model_dir: Path):
+                 past: list[ort.OrtValue], present: list[ort.OrtValue], model_dir: Path, *,
+                 hidden_states: bool = False):
         self.io = session.io_binding()
         inputs = {i.name for i in session.get_inputs()}
         outputs = {o.name for o in session.get_outputs()}
         needed_in = {INPUT_IDS, ATTENTION_MASK, *(p for p, _ in names)}
         needed_out = {LOGITS, *(q for _, q in names)}
+        if hidden_states:  # the manifest lists hidden_state_layers: rows as logit_rows names
+            needed_in.add(LOGIT_ROWS)
+            needed_out.add(HIDDEN_STATES)
         missing = sorted((needed_in - inputs) | (needed_out - outputs))
         extra = sorted(inputs - needed_in - {POSITION_IDS, LOGIT_ROWS, TOKEN_ROWS})
         if missing or extra:
@@ -329,9 +382,11 @@ class _Binding:
             self.io.bind_ortvalue_input(past_name, src)
             self.io.bind_ortvalue_output(present_name, dst)  # shared mode: src is dst, in place
         self._bound_logits: ort.OrtValue | None = None
+        self._bound_hidden: ort.OrtValue | None = None
 
     def bind_step(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray,
-                  tokens: np.ndarray, take: np.ndarray | None, logits: ort.OrtValue) -> None:
+                  tokens: np.ndarray, take: np.ndarray | None, logits: ort.OrtValue,
+                  hidden: ort.OrtValue | None = None) -> None:
         """ids [1, S]; tokens [S]: 0..S-1, the positions a packing graph computes (a lone
         token's padding copy included: the MatMuls see two rows)."""
         self.io.bind_cpu_input(INPUT_IDS, ids)
@@ -345,3 +400,6 @@ class _Binding:
         if logits is not self._bound_logits:
             self.io.bind_ortvalue_output(LOGITS, logits)
             self._bound_logits = logits
+        if hidden is not None and hidden is not self._bound_hidden:  # [N, width], like logits
+            self.io.bind_ortvalue_output(HIDDEN_STATES, hidden)
+            self._bound_hidden = hidden

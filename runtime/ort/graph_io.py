@@ -16,6 +16,9 @@ POSITION_IDS = "position_ids"
 LOGIT_ROWS = "logit_rows"  # optional: which positions' logits the call computes
 TOKEN_ROWS = "token_rows"  # optional: which positions' tokens the call's MatMuls compute
 LOGITS = "logits"
+# optional: the residual streams of the manifest's hidden_state_layers at the logit_rows
+# positions, [N, len(layers) * hidden] float32 (export/hidden_states.py)
+HIDDEN_STATES = "hidden_states"
 
 
 def past_key_name(layer: int) -> str:
@@ -34,11 +37,12 @@ def present_value_name(layer: int) -> str:
     return f"present.{layer}.value"
 
 
-def decoder_io(num_layers: int) -> tuple[set[str], set[str], set[str]]:
+def decoder_io(num_layers: int, *, hidden_states: bool = False) -> \
+        tuple[set[str], set[str], set[str]]:
     """(required inputs, optional inputs, required outputs) of a decoder graph with
-    `num_layers` layers."""
+    `num_layers` layers (and the `hidden_states` output, when its manifest lists layers)."""
     inputs = {INPUT_IDS, ATTENTION_MASK}
-    outputs = {LOGITS}
+    outputs = {LOGITS, HIDDEN_STATES} if hidden_states else {LOGITS}
     for i in range(num_layers):
         inputs |= {past_key_name(i), past_value_name(i)}
         outputs |= {present_key_name(i), present_value_name(i)}

@@ -20,6 +20,9 @@ directory and matches its recorded sha256. Graph inputs and outputs follow fixed
     past_key_values.{i}.value  dtype  [B, kv_heads, capacity, head_dim]   bound to present.{i}.value
     logits                     fp32   [N, vocab]   row n: after position logit_rows[n]
                                       (a graph without logit_rows: [B, S, vocab])
+    hidden_states (optional)   fp32   [N, K * hidden]  row n: at position logit_rows[n], the
+                                      residual streams entering the K decoder layers that
+                                      `hidden_state_layers` lists, concatenated in its order
 
 ortspec's exports (exporter revision 3 on) take `logit_rows` and run the LM head on the
 positions it names only: a prompt chunk asks for its last position, a padded block for its real
@@ -56,6 +59,7 @@ DTYPES = ("fp32", "fp16")
 ENTRY_POINTS = ("step", "verify")
 MAX_MIN_CALL_ROWS = 2
 MAX_BATCH = 256  # the most rows a manifest may declare for one batched call
+MAX_HIDDEN_STATE_LAYERS = 8  # the most layer ids `hidden_state_layers` may list (EAGLE-3: 3)
 
 
 # architectures an export may record ("llama" covers Llama 2/3, SmolLM and Mistral)
@@ -146,6 +150,16 @@ class Manifest:
     # the most requests one call may carry: the window-attention graph takes B rows, each with
     # its own valid length; 1 for the rest
     max_batch: int = 1
+    # the graph's optional `hidden_states` output: the ids k (1..num_layers - 1, distinct) of
+    # the decoder layers whose entering residual stream it returns (the output of layer k - 1,
+    # before the final norm; transformers' `hidden_states[k]`; vLLM's EAGLE-3
+    # aux_hidden_state_layers), in the order of its columns; None: no such output
+    hidden_state_layers: tuple[int, ...] | None = None
+
+    @property
+    def hidden_state_width(self) -> int:
+        """Columns of the `hidden_states` output (0 without it)."""
+        return len(self.hidden_state_layers or ()) * self.architecture.hidden_size
 
     @property
     def reserved_slots(self) -> int:
@@ -160,6 +174,10 @@ class Manifest:
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        if self.hidden_state_layers is None:  # an optional field: absent, as in older manifests
+            del d["hidden_state_layers"]
+        else:
+            d["hidden_state_layers"] = list(self.hidden_state_layers)
         return json.dumps({"format": FORMAT_NAME, **d}, indent=2, sort_keys=False) + "\n"
 
     def write(self, directory: str | os.PathLike) -> Path:
@@ -324,6 +342,7 @@ def parse_manifest(data: Any) -> Manifest:
         raise ManifestError("manifest.row_probe: expected null or a file name listed in "
                             "manifest.files")
     max_batch = _int_in(data, "max_batch", 1, MAX_BATCH, "manifest") if "max_batch" in data else 1
+    hidden_layers = _hidden_state_layers(data.get("hidden_state_layers"), arch.num_layers)
     return Manifest(
         source=source, architecture=arch, dtype=dtype, capacity=capacity,
         max_verify_len=max_verify_len, entry_points=entry_points, stop_token_ids=tuple(stops),
@@ -331,7 +350,26 @@ def parse_manifest(data: Any) -> Manifest:
         chat_template=template, bos_token_id=bos, files=dict(files), draft_of=draft_of,
         extra=extra, format_version=version, min_call_rows=min_rows,
         min_attention_rows=attention_rows, row_probe=row_probe, max_batch=max_batch,
+        hidden_state_layers=hidden_layers,
     )
+
+
+def _hidden_state_layers(value: Any, num_layers: int) -> tuple[int, ...] | None:
+    """manifest.hidden_state_layers: null/absent, or 1..MAX_HIDDEN_STATE_LAYERS distinct layer
+    ids in 1..num_layers - 1."""
+    if value is None:
+        return None
+    where = "manifest.hidden_state_layers"
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_HIDDEN_STATE_LAYERS:
+        raise ManifestError(f"{where}: expected null or a list of 1..{MAX_HIDDEN_STATE_LAYERS} "
+                            f"layer ids, got {value!r}")
+    for k in value:
+        if not is_int(k) or not 1 <= k <= num_layers - 1:
+            raise ManifestError(f"{where}: {k!r} is not a layer id in 1..{num_layers - 1} (the "
+                                f"decoder layer whose entering residual stream is returned)")
+    if len(set(value)) != len(value):
+        raise ManifestError(f"{where}: layer ids repeat: {value!r}")
+    return tuple(value)
 
 
 def read_manifest(directory: str | os.PathLike, *, verify_checksums: bool = True) -> Manifest:
@@ -362,6 +400,7 @@ def read_manifest(directory: str | os.PathLike, *, verify_checksums: bool = True
             raise ManifestError(f"{name!r} does not match its sha256 in the manifest (corrupted?)")
     for name in sorted({e.graph for e in m.entry_points.values()}):
         # what the graph would make onnxruntime open: inside, listed, and the I/O expected
-        check_graph(d, name, files=m.files, num_layers=m.architecture.num_layers)
+        check_graph(d, name, files=m.files, num_layers=m.architecture.num_layers,
+                    hidden_states=m.hidden_state_layers is not None)
     return m
 

@@ -322,17 +322,17 @@ def check_reference(directory: Path, graph_name: str, ref: FileReference,
 
 
 def check_graph(directory: str | Path, graph_name: str, *, files: Iterable[str],
-                num_layers: int) -> GraphSummary:
+                num_layers: int, hidden_states: bool = False) -> GraphSummary:
     """Refuse a graph file whose external data leaves the directory or is not among `files`
     (the manifest's checksummed names), or whose inputs and outputs are not those of a decoder
-    of `num_layers` layers. `graph_name` is relative to `directory` and has already passed
-    `manifest.safe_member`."""
+    of `num_layers` layers (with the `hidden_states` output when `hidden_states`).
+    `graph_name` is relative to `directory` and has already passed `manifest.safe_member`."""
     directory = Path(directory)
     summary = read_graph_summary(directory / graph_name)
     listed = {posixpath.normpath(k.replace("\\", "/")) for k in files}
     for ref in summary.references:
         check_reference(directory, graph_name, ref, listed)
-    required_in, optional_in, required_out = decoder_io(num_layers)
+    required_in, optional_in, required_out = decoder_io(num_layers, hidden_states=hidden_states)
     inputs, outputs = set(summary.inputs), set(summary.outputs)
     missing = sorted((required_in - inputs) | (required_out - outputs))
     unexpected = sorted(inputs - required_in - optional_in)
