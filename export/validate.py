@@ -110,28 +110,50 @@ def run_graph_outputs(model_dir: Path, manifest: mf.Manifest, ids: np.ndarray) -
     return verify, step, hidden
 
 
+@dataclasses.dataclass(frozen=True)
+class Deviations:
+    """How far the verify and the step entry points are from each other and from PyTorch, and
+    the bounds they were held to (scaled by the reference's largest magnitude)."""
+
+    step_vs_verify: float
+    verify_vs_pytorch: float
+    step_vs_pytorch: float
+    scale: float  # max |reference|
+    bound_step_vs_verify: float
+    bound_vs_pytorch: float
+
+
+def deviations(verify: np.ndarray, step: np.ndarray, reference: np.ndarray, tol: Tolerances, *,
+               noun: str, subject: str, suffix: str = "") -> Deviations:
+    """verify, step, reference: [n, width]. ExportError outside the bounds: "verify and step
+    {noun} differ by ..." or "{subject} differ from PyTorch by ...{suffix}"."""
+    scale = float(np.abs(reference).max())
+    d = Deviations(step_vs_verify=float(np.abs(verify - step).max()),
+                   verify_vs_pytorch=float(np.abs(verify - reference).max()),
+                   step_vs_pytorch=float(np.abs(step - reference).max()), scale=scale,
+                   bound_step_vs_verify=tol.step_vs_verify.at(scale),
+                   bound_vs_pytorch=tol.vs_pytorch.at(scale))
+    if not d.step_vs_verify <= d.bound_step_vs_verify:
+        raise ExportError(f"validation failed: verify and step {noun} differ by "
+                          f"{d.step_vs_verify:.3g} > {d.bound_step_vs_verify:.3g}")
+    worst = max(d.verify_vs_pytorch, d.step_vs_pytorch)
+    if not worst <= d.bound_vs_pytorch:
+        raise ExportError(f"validation failed: {subject} differ from PyTorch by {worst:.3g} > "
+                          f"{d.bound_vs_pytorch:.3g}{suffix}")
+    return d
+
+
 def check_logits(verify: np.ndarray, step: np.ndarray, reference: np.ndarray, tol: Tolerances,
                  what: str) -> ValidationReport:
     """Compare the entry points with each other and with the reference; ExportError outside
     the bounds (`what` names the comparison in the message)."""
-    scale = float(np.abs(reference).max())
-    report = ValidationReport(
-        prompt_tokens=int(verify.shape[0]),
-        step_vs_verify=float(np.abs(verify - step).max()),
-        verify_vs_pytorch=float(np.abs(verify - reference).max()),
-        step_vs_pytorch=float(np.abs(step - reference).max()),
-        max_abs_logit=float(np.abs(reference).max()),
-        bound_step_vs_verify=tol.step_vs_verify.at(scale),
-        bound_vs_pytorch=tol.vs_pytorch.at(scale),
-    )
-    if not report.step_vs_verify <= report.bound_step_vs_verify:
-        raise ExportError(f"validation failed: verify and step logits differ by "
-                          f"{report.step_vs_verify:.3g} > {report.bound_step_vs_verify:.3g}")
-    worst = max(report.verify_vs_pytorch, report.step_vs_pytorch)
-    if not worst <= report.bound_vs_pytorch:
-        raise ExportError(f"validation failed: logits differ from PyTorch by {worst:.3g} > "
-                          f"{report.bound_vs_pytorch:.3g} ({what})")
-    return report
+    d = deviations(verify, step, reference, tol, noun="logits", subject="logits",
+                   suffix=f" ({what})")
+    return ValidationReport(
+        prompt_tokens=int(verify.shape[0]), step_vs_verify=d.step_vs_verify,
+        verify_vs_pytorch=d.verify_vs_pytorch, step_vs_pytorch=d.step_vs_pytorch,
+        max_abs_logit=d.scale, bound_step_vs_verify=d.bound_step_vs_verify,
+        bound_vs_pytorch=d.bound_vs_pytorch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,22 +195,11 @@ def validate_hidden_states(model_dir: Path, manifest: mf.Manifest,
     _, _, hidden = run_graph_outputs(model_dir, manifest, ids)
     assert hidden is not None
     (verify_h, step_h), reference = hidden, torch_hidden_states(checkpoint, ids, layers)
-    tol = HIDDEN_STATE_TOLERANCES[manifest.dtype]
-    scale = float(np.abs(reference).max())
+    d = deviations(verify_h, step_h, reference, HIDDEN_STATE_TOLERANCES[manifest.dtype],
+                   noun="hidden states", subject=f"hidden states of layers {list(layers)}")
     report = HiddenStateReport(
-        layers=list(layers),
-        step_vs_verify=float(np.abs(verify_h - step_h).max()),
-        verify_vs_pytorch=float(np.abs(verify_h - reference).max()),
-        step_vs_pytorch=float(np.abs(step_h - reference).max()),
-        max_abs_state=scale,
-        bound_step_vs_verify=tol.step_vs_verify.at(scale),
-        bound_vs_pytorch=tol.vs_pytorch.at(scale),
-    )
-    if not report.step_vs_verify <= report.bound_step_vs_verify:
-        raise ExportError(f"validation failed: verify and step hidden states differ by "
-                          f"{report.step_vs_verify:.3g} > {report.bound_step_vs_verify:.3g}")
-    worst = max(report.verify_vs_pytorch, report.step_vs_pytorch)
-    if not worst <= report.bound_vs_pytorch:
-        raise ExportError(f"validation failed: hidden states of layers {list(layers)} differ "
-                          f"from PyTorch by {worst:.3g} > {report.bound_vs_pytorch:.3g}")
+        layers=list(layers), step_vs_verify=d.step_vs_verify,
+        verify_vs_pytorch=d.verify_vs_pytorch, step_vs_pytorch=d.step_vs_pytorch,
+        max_abs_state=d.scale, bound_step_vs_verify=d.bound_step_vs_verify,
+        bound_vs_pytorch=d.bound_vs_pytorch)
     return report
