@@ -36,7 +36,6 @@ import tempfile
 import time
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
