@@ -3,11 +3,14 @@ check the exporter on them, and `scripts/gpu_check.sh` times a random Llama of a
 shapes where that model's weights are not at hand.
 
 Each is a Hugging Face model directory: config.json, safetensors weights, and a byte-level BPE
-tokenizer trained here on a few sentences, with a ChatML chat template like SmolLM2's.
+tokenizer trained here on a few sentences, with a ChatML chat template like SmolLM2's. EAGLE-3
+draft heads (`tiny_eagle3_weights`, `write_eagle3_head`) are config.json and safetensors only,
+in either published format (eagle3.py).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -103,3 +106,80 @@ def scale_up(model: torch.nn.Module) -> None:
                 p.mul_(4.0)
             elif "norm" in name:
                 p.copy_(1.0 + 0.3 * torch.randn_like(p))
+
+
+def tiny_eagle3_weights(*, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                        intermediate: int = 128, vocab: int = VOCAB,
+                        draft_vocab: int | None = None, own_embedding: bool = False,
+                        seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random EAGLE-3 head's tensors under the speculators names (`layers.0.*`); with
+    `draft_vocab` a reduced vocabulary of that many target ids (random, sorted) and its
+    `d2t` offsets and `t2d` mask."""
+    g = torch.Generator().manual_seed(seed)
+    head_dim = hidden // heads
+
+    def linear(out: int, inp: int) -> torch.Tensor:  # logits of order 1-10, as scale_up gives
+        return torch.randn(out, inp, generator=g) * (2.0 / inp ** 0.5)
+
+    def norm() -> torch.Tensor:
+        return 1.0 + 0.3 * torch.randn(hidden, generator=g)
+
+    layer = {"self_attn.q_proj.weight": linear(heads * head_dim, 2 * hidden),
+             "self_attn.k_proj.weight": linear(kv_heads * head_dim, 2 * hidden),
+             "self_attn.v_proj.weight": linear(kv_heads * head_dim, 2 * hidden),
+             "self_attn.o_proj.weight": linear(hidden, heads * head_dim),
+             "mlp.gate_proj.weight": linear(intermediate, hidden),
+             "mlp.up_proj.weight": linear(intermediate, hidden),
+             "mlp.down_proj.weight": linear(hidden, intermediate),
+             "input_layernorm.weight": norm(), "hidden_norm.weight": norm(),
+             "post_attention_layernorm.weight": norm()}
+    weights = {f"layers.0.{k}": v for k, v in layer.items()}
+    weights.update({"fc.weight": linear(hidden, 3 * hidden), "norm.weight": norm(),
+                    "lm_head.weight": linear(draft_vocab or vocab, hidden) * 4.0})
+    if own_embedding:
+        weights["embed_tokens.weight"] = torch.randn(vocab, hidden, generator=g)
+    if draft_vocab is not None:
+        kept = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values  # target ids
+        weights["d2t"] = kept - torch.arange(draft_vocab)  # target_id = draft_id + d2t[draft_id]
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[kept] = True
+        weights["t2d"] = t2d
+    return weights
+
+
+def write_eagle3_head(directory: Path, weights: dict[str, torch.Tensor], *, fmt: str,
+                      heads: int = 4, layer_ids: list[int] | None = None,
+                      rms_norm_eps: float = 1e-5) -> Path:
+    """An EAGLE-3 head directory from `weights` (speculators names): config.json and
+    model.safetensors in the speculators format (fmt "speculators") or the EAGLE / SpecForge
+    one ("eagle": a flat Llama config, `midlayer.*`)."""
+    from safetensors.torch import save_file
+
+    q, gate = weights["layers.0.self_attn.q_proj.weight"], weights["layers.0.mlp.gate_proj.weight"]
+    hidden, head_dim = gate.shape[1], q.shape[0] // heads
+    vocab = weights["t2d"].shape[0] if "t2d" in weights else weights["lm_head.weight"].shape[0]
+    llama = dict(model_type="llama", hidden_size=hidden, intermediate_size=gate.shape[0],
+                 num_hidden_layers=1, num_attention_heads=heads,
+                 num_key_value_heads=weights["layers.0.self_attn.k_proj.weight"].shape[0]
+                 // head_dim, head_dim=head_dim, vocab_size=vocab,
+                 rms_norm_eps=rms_norm_eps, rope_theta=10000.0, max_position_embeddings=512,
+                 hidden_act="silu", tie_word_embeddings=False)
+    draft_vocab = weights["lm_head.weight"].shape[0]
+    if fmt == "speculators":
+        config = dict(speculators_model_type="eagle3", architectures=["Eagle3Speculator"],
+                      transformer_layer_config=llama, draft_vocab_size=draft_vocab,
+                      norm_before_residual=False)
+        if layer_ids is not None:
+            config["eagle_aux_hidden_state_layer_ids"] = layer_ids
+        tensors = weights
+    elif fmt == "eagle":
+        config = dict(llama, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab)
+        if layer_ids is not None:
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": layer_ids}
+        tensors = {k.replace("layers.0.", "midlayer.", 1): v for k, v in weights.items()}
+    else:
+        raise ValueError(f"fmt must be 'speculators' or 'eagle', got {fmt!r}")
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, directory / "model.safetensors")
+    return directory
