@@ -132,6 +132,20 @@ def test_the_returned_hidden_state_is_the_one_before_the_final_norm(tmp_path):
     assert not torch.allclose(step.hidden.pow(2).mean(-1), torch.ones(len(IDS)), atol=0.1)
 
 
+def test_norm_before_residual_is_read_and_moves_the_residual(tmp_path):
+    # vLLM's option: residual = hidden_norm(hidden) instead of the raw hidden state
+    d = _head_dir(tmp_path, seed=6)
+    plain = read_eagle3_head(d)
+    _edit_config(d, norm_before_residual=True)
+    moved = read_eagle3_head(d)
+    assert not plain.norm_before_residual and moved.norm_before_residual
+    aux, embeds, _ = _first_step(plain)
+    hidden = project_aux(plain, aux) * 3.0  # far from unit RMS, so the two residuals differ
+    a = head_forward(plain, hidden, embeds, np.arange(len(IDS)))
+    b = head_forward(moved, hidden, embeds, np.arange(len(IDS)))
+    assert not torch.allclose(a.hidden, b.hidden, atol=1e-2)
+
+
 def test_the_mapped_argmax_is_the_argmax_of_the_full_vocabulary_scatter(tmp_path):
     head = read_eagle3_head(_head_dir(tmp_path, draft_vocab=DRAFT_VOCAB, seed=4))
     aux, embeds, _ = _first_step(head)
