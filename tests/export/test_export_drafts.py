@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from helpers.threads import in_threads
 from ortspec.export.tiny import make_tiny_llama, make_tiny_qwen2
 from onnx import TensorProto, helper, numpy_helper
 
@@ -385,8 +386,6 @@ def test_a_listed_draft_loads_on_the_first_request_that_needs_it_once(target_dir
     """No `draft` argument: the manifest's draft is loaded by the first request with a
     draft-model drafter, once although four threads ask at the same moment, and counted in
     the slot's memory from then on; the output is plain decoding's."""
-    import threading
-
     import ortspec.runtime.load as load_mod
 
     opened: list[Path] = []
@@ -407,27 +406,11 @@ def test_a_listed_draft_loads_on_the_first_request_that_needs_it_once(target_dir
     assert model.generate(prompts[0], drafter=None, options=options).tokens == serial[0]
     assert model.draft_sessions is None  # plain decoding needs no draft
 
-    out: dict[int, object] = {}
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(4)
-
-    def run(i: int) -> None:
-        try:
-            barrier.wait()
-            # every draft verified whole, so the draft model's drafts are surely tried
-            out[i] = model.generate(prompts[i], drafter="prompt-lookup+draft-model",
-                                    options=options, draft_length=None)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-    assert [out[i].tokens for i in range(4)] == serial  # greedy: token for token
-    assert all(out[i].counters.drafted_by_source.get("draft_model", 0) for i in range(4))
+    # every draft verified whole, so the draft model's drafts are surely tried
+    out = in_threads(lambda p: model.generate(p, drafter="prompt-lookup+draft-model",
+                                              options=options, draft_length=None), prompts)
+    assert [r.tokens for r in out] == serial  # greedy: token for token
+    assert all(r.counters.drafted_by_source.get("draft_model", 0) for r in out)
     assert opened == [target_dir, target_dir / "drafts" / "int4"]  # the draft's sessions: once
     sessions = model.draft_sessions
     # with the cost model, which prices the draft's step now that it is loaded
