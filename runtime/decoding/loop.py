@@ -34,15 +34,14 @@ from ..validation import check_logits
 
 Steps = Generator[list[int], None, SpeculativeDecodeResult]  # tokens per target call; the result
 
-def check_decode_inputs(decoder: object, prompt: Sequence[int], options: object
-                        ) -> tuple[Decoder, list[int]]:
+def check_decode_inputs(decoder: object, prompt: Sequence[int], options: object) -> list[int]:
     """What the decode entry points check before any work: the decoder's contract
     (`as_decoder`, DecoderContractError), the options' type (InvalidOptionError) and the prompt
-    against the decoder's vocabulary and capacity (InvalidPromptError). Returns the decoder as
-    the loop calls it and the prompt as a list of ints."""
+    against the decoder's vocabulary and capacity (InvalidPromptError). Returns the prompt as a
+    list of ints."""
     dec = as_decoder(decoder)
     check_options(options)
-    return dec, check_prompt(prompt, vocab_size=dec.vocab_size, capacity=dec.capacity)
+    return check_prompt(prompt, vocab_size=dec.vocab_size, capacity=dec.capacity)
 
 
 def run_to_end(steps: Steps) -> SpeculativeDecodeResult:
@@ -96,8 +95,8 @@ def plain_decode(
     decoder: Decoder, prompt: Sequence[int], options: SpeculativeOptions
 ) -> SpeculativeDecodeResult:
     """One `forward_token` per new token, sampled from `warp(logits)`: the reference."""
-    dec, ids = check_decode_inputs(decoder, prompt, options)
-    return run_to_end(decode_steps(dec, ids, None, options, claim=decoder))
+    ids = check_decode_inputs(decoder, prompt, options)
+    return run_to_end(decode_steps(decoder, ids, None, options))
 
 
 def speculative_decode_with(
@@ -110,10 +109,9 @@ def speculative_decode_with(
 ) -> SpeculativeDecodeResult:
     """Speculative decoding with any drafter; the output is distributed exactly as `plain_decode`'s.
     """
-    dec, ids = check_decode_inputs(decoder, prompt, options)
+    ids = check_decode_inputs(decoder, prompt, options)
     check_drafter(drafter)
-    return run_to_end(decode_steps(dec, ids, drafter, options, draft_length=draft_length,
-                                   claim=decoder))
+    return run_to_end(decode_steps(decoder, ids, drafter, options, draft_length=draft_length))
 
 
 def decode_steps(
@@ -124,7 +122,6 @@ def decode_steps(
     *,
     draft_length: DraftLengthPolicy | None = None,
     counters: DecodeCounters | None = None,
-    claim: object = None,
 ) -> Steps:
     """The decode loop as a generator of the tokens each target call emits; returns the
     `SpeculativeDecodeResult`. `drafter=None` is plain decoding (one `forward_token` per token);
@@ -147,11 +144,10 @@ def decode_steps(
     chooses from the history, the draft and what earlier steps showed, never from the random
     draws of the verify it sizes, so the output distribution is unchanged.
 
-    The decoder (`claim`, when the caller holds it under another name: the object it was given
-    before `as_decoder`), drafter and policy are held for the whole decode: another decode
-    reaching for one of them meanwhile raises ConcurrentUseError.
+    The decoder (as given, before `as_decoder`), drafter and policy are held for the whole
+    decode: another decode reaching for one of them meanwhile raises ConcurrentUseError.
     """
-    held = decoder if claim is None else claim
+    held = decoder
     decoder = as_decoder(decoder)
     counters = counters if counters is not None else DecodeCounters()
     if drafter is None:
