@@ -1,5 +1,6 @@
 """The interfaces the decode loop is written against: `Decoder`, `Drafter`, `DraftLengthPolicy`;
-and `HiddenStateSource`, the optional capability a trained draft head needs of its target.
+`HiddenStateSource`, the optional capability a trained draft head needs of its target; and
+`DraftHead`, the head itself.
 
 The loop calls exactly what these declare, nothing it has to discover. Optional behaviour has a
 documented no-op default in a small base class (`DecoderBase`, `DrafterBase`), so a new drafter
@@ -174,6 +175,43 @@ class HiddenStateSource(Protocol):
     hidden_state_layers: tuple[int, ...] | None
 
     def last_hidden_states(self) -> np.ndarray: ...  # [rows, len(hidden_state_layers) * hidden]
+
+
+class DraftHead(Protocol):
+    """A trained draft head (EAGLE-3; an MTP layer or a DFlash block fits the same shape) with a
+    KV cache of its own, fixed capacity, rolled back by `truncate` like a `Decoder`'s.
+
+    Entry j of the head's cache holds one pair: the token at some history position t and a
+    hidden state describing the prefix before it, either the target's hidden states after it
+    processed history[t - 1] (`from_target`: [K * target_hidden], the rows a
+    `HiddenStateSource` returns, projected by the head's own `fc`) or the head's own hidden
+    output at entry j - 1 ([hidden], what `forward` returned). Entries are consecutive history
+    positions; the head's rotary position is the entry index (relative positions are what
+    attention sees). The output at entry j: draft-vocabulary logits for history[t + 1], and the
+    head's hidden output (before its final norm), which the next entry reads when the head
+    drafts on from its own state.
+
+    draft_vocab_size: the rows of the head's LM head. target_ids: [draft_vocab_size] int64, the
+    target token id of each draft id (EAGLE-3's d2t applied), strictly inside the target's
+    vocabulary and distinct; a head over the whole vocabulary has target_ids == arange(vocab).
+    """
+
+    draft_vocab_size: int
+    target_ids: np.ndarray  # [draft_vocab_size] int64
+    capacity: int  # most entries the KV buffers hold
+
+    @property
+    def length(self) -> int: ...  # entries currently in the cache
+
+    def reset(self) -> None: ...
+
+    def truncate(self, length: int) -> None: ...
+
+    def forward(self, tokens: Sequence[int], hidden: np.ndarray, *,
+                from_target: bool) -> tuple[np.ndarray, np.ndarray]: ...
+    # tokens: [n] target ids; hidden: [n, K * target_hidden] (from_target) or [n, hidden];
+    # appends n entries in one call; returns (logits [n, draft_vocab_size] float32,
+    # hidden_out [n, hidden] float32), both valid until the next call
 
 
 class DraftLengthPolicy(Protocol):
