@@ -45,7 +45,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 from typing import Any
 
 from ..errors import ManifestError
@@ -155,6 +155,9 @@ class Manifest:
     # before the final norm; transformers' `hidden_states[k]`; vLLM's EAGLE-3
     # aux_hidden_state_layers), in the order of its columns; None: no such output
     hidden_state_layers: tuple[int, ...] | None = None
+    # a trained draft head (EAGLE-3) exported beside the model: its directory, relative to the
+    # model directory (e.g. "drafts/eagle3"); None: no head
+    draft_head: str | None = None
 
     @property
     def hidden_state_width(self) -> int:
@@ -178,6 +181,8 @@ class Manifest:
             del d["hidden_state_layers"]
         else:
             d["hidden_state_layers"] = list(self.hidden_state_layers)
+        if self.draft_head is None:  # optional too
+            del d["draft_head"]
         return json.dumps({"format": FORMAT_NAME, **d}, indent=2, sort_keys=False) + "\n"
 
     def write(self, directory: str | os.PathLike) -> Path:
@@ -343,6 +348,7 @@ def parse_manifest(data: Any) -> Manifest:
                             "manifest.files")
     max_batch = _int_in(data, "max_batch", 1, MAX_BATCH, "manifest") if "max_batch" in data else 1
     hidden_layers = _hidden_state_layers(data.get("hidden_state_layers"), arch.num_layers)
+    draft_head = _relative_dir(data.get("draft_head"), "manifest.draft_head")
     return Manifest(
         source=source, architecture=arch, dtype=dtype, capacity=capacity,
         max_verify_len=max_verify_len, entry_points=entry_points, stop_token_ids=tuple(stops),
@@ -350,8 +356,21 @@ def parse_manifest(data: Any) -> Manifest:
         chat_template=template, bos_token_id=bos, files=dict(files), draft_of=draft_of,
         extra=extra, format_version=version, min_call_rows=min_rows,
         min_attention_rows=attention_rows, row_probe=row_probe, max_batch=max_batch,
-        hidden_state_layers=hidden_layers,
+        hidden_state_layers=hidden_layers, draft_head=draft_head,
     )
+
+
+def _relative_dir(value: Any, what: str) -> str | None:
+    """null/absent, or a relative path inside the model directory: not absolute (POSIX or
+    Windows), no '..'."""
+    if value is None:
+        return None
+    windows = PureWindowsPath(value) if isinstance(value, str) else None
+    if not isinstance(value, str) or not value or Path(value).is_absolute() or windows.anchor \
+            or ".." in windows.parts:
+        raise ManifestError(f"{what}: expected null or a relative path inside the model "
+                            f"directory, got {value!r}")
+    return value
 
 
 def _hidden_state_layers(value: Any, num_layers: int) -> tuple[int, ...] | None:
