@@ -13,7 +13,15 @@ class OrtspecError(Exception):
 
 
 class InvalidOptionError(OrtspecError, ValueError):
-    """An option is out of range: temperature, top_k, top_p, max_new_tokens, draft length..."""
+    """An option is out of range: temperature, top_k, top_p, max_new_tokens, draft length...
+
+    `option` names the option when the error is about one (the name a caller passed it by, such
+    as "top_p"), for a caller that points at it in words of its own (the server); None
+    otherwise."""
+
+    def __init__(self, message: str, *, option: str | None = None) -> None:
+        super().__init__(message)
+        self.option = option
 
 
 class InvalidPromptError(OrtspecError, ValueError):

@@ -48,7 +48,10 @@ def check_int(name: str, value: object, *, minimum: int | None = None, maximum: 
         allowed = "an integer"
     if allow_none:
         allowed = f"None or {allowed}"
-    raise error(f"{name} must be {allowed}{what}, got {value!r}")
+    message = f"{name} must be {allowed}{what}, got {value!r}"
+    if issubclass(error, InvalidOptionError):
+        raise error(message, option=name)
+    raise error(message)
 
 
 def check_token_block(tokens: object, *, vocab_size: int, length: int, capacity: int

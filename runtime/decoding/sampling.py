@@ -30,9 +30,11 @@ RESIDUAL_EPS = 1e-12  # a residual with less mass than this is rounding noise: f
 def check_sampling_options(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """Raise InvalidOptionError naming the value and the allowed range."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.integer, np.floating)):
-        raise InvalidOptionError(f"temperature must be a number >= 0, got {temperature!r}")
+        raise InvalidOptionError(f"temperature must be a number >= 0, got {temperature!r}",
+                                 option="temperature")
     if not math.isfinite(temperature) or temperature < 0:
-        raise InvalidOptionError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        raise InvalidOptionError(f"temperature must be a finite number >= 0, got {temperature!r}",
+                                 option="temperature")
     check_int("top_k", top_k, minimum=1, allow_none=True)
     if top_p is not None and (
         isinstance(top_p, bool)
@@ -40,7 +42,7 @@ def check_sampling_options(temperature: float, top_k: int | None, top_p: float |
         or not math.isfinite(top_p)
         or not 0.0 < top_p <= 1.0
     ):
-        raise InvalidOptionError(f"top_p must be None or in (0, 1], got {top_p!r}")
+        raise InvalidOptionError(f"top_p must be None or in (0, 1], got {top_p!r}", option="top_p")
 
 
 def _top_p_keep(probs: np.ndarray, top_p: float) -> np.ndarray:

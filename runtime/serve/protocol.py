@@ -159,14 +159,13 @@ OPTION_FIELDS = ("temperature", "top_k", "top_p", "seed")  # body fields named a
 def _options(sampling: tuple[float, int | None, float | None, int | None], max_new: int
              ) -> SpeculativeOptions:
     """SpeculativeOptions from `_sampling`'s fields; its own check's error as a 400 naming the
-    field (an option's error message begins with the option's name)."""
+    field (the error's `option`, where it is one of the body's fields)."""
     temperature, top_k, top_p, seed = sampling
     try:
         return SpeculativeOptions(max_new, temperature=temperature, top_k=top_k, top_p=top_p,
                                   seed=seed)
     except InvalidOptionError as e:
-        field = str(e).split(" ", 1)[0]
-        raise invalid(field if field in OPTION_FIELDS else None, str(e)) from None
+        raise invalid(e.option if e.option in OPTION_FIELDS else None, str(e)) from None
 
 
 def _check_prompt(body: dict, ids: list[int], info: ModelInfo) -> list[int]:

@@ -10,6 +10,7 @@ from ortspec.runtime import (
     InvalidDistributionError,
     InvalidOptionError,
     NonFiniteLogitsError,
+    SpeculativeOptions,
     accept_or_resample,
     verify_block,
     warp,
@@ -218,3 +219,18 @@ def test_greedy_verify_is_exact_matching_against_the_argmax():
     miss = verify_block(logits, DraftBlock.points([1, 2, 2]), rng, temperature=0)
     # rejected at position 1: the recovered token is the argmax 0, never the draft 2
     assert (miss.tokens, miss.n_accepted, miss.recovered) == ([1, 0], 1, True)
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("temperature", float("nan")),
+                                          ("top_k", 0), ("top_p", 1.5), ("seed", -3),
+                                          ("max_draft_len", True)])
+def test_an_option_error_names_its_option(field, value):
+    with pytest.raises(InvalidOptionError, match=field) as err:
+        SpeculativeOptions(8, **{field: value})
+    assert err.value.option == field
+
+
+def test_an_error_about_no_single_option_names_none():
+    with pytest.raises(InvalidOptionError) as err:
+        SpeculativeOptions(8, stop_token_ids="2")
+    assert err.value.option is None
