@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from ortspec.runtime.ort import manifest as mf
@@ -37,6 +38,9 @@ from . import chat
 from .drafts import DRAFT_OF, DRAFT_REVISION, DRAFTS_DIR, QUANT_TOLERANCES, DraftOptionError, \
     DraftOptions, build_draft, check_draft_layers, dequantized_weights, draft_options, \
     register_draft, with_draft_listed
+from .eagle3 import Eagle3Head, Eagle3Target, check_fits
+from .eagle3_export import HEAD_DIR, add_draft_head, export_head_into, head_source, hf_target, \
+    read_head_for
 from .errors import ExportOptionError
 from .graph_spec import ATTENTIONS, DEFAULT_OPSET, LM_HEADS, MAX_OPSET, MIN_OPSET, \
     QUANT_SCHEMES, QUANTS, GraphOptions, WeightQuant, weight_quant
@@ -208,7 +212,8 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
                  draft_layers: int | None = None, draft_only: bool = False,
                  quant: str | None = None, lm_head: str = "int8",
                  quant_scheme: str = "block-min",
-                 hidden_states: HiddenStatesOption = None) -> Path:
+                 hidden_states: HiddenStatesOption = None,
+                 draft_head: str | os.PathLike | None = None) -> Path:
     """Export `source` (a Hugging Face model directory, a .gguf file, or None for the default
     model) to the directory `out`; returns its path. Raises ExportError (ExportOptionError for a
     bad option) with nothing written.
@@ -236,18 +241,39 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
     logits it computes, as the output `hidden_states` [N, len(ids) * hidden] float32, and the
     manifest lists the ids (`hidden_state_layers`); see hidden_states.py for the convention.
     float32 gqa or window graphs without quant only. None (the default): the graph is
-    unchanged."""
+    unchanged.
+
+    draft_head: an EAGLE-3 head checkpoint directory (speculators or EAGLE/SpecForge format,
+    eagle3.py): the target returns the hidden states the head reads (hidden_states is implied;
+    an explicit one must name the head's layer ids), and the head is exported into
+    `out/drafts/eagle3`, validated against its PyTorch forward and listed as the manifest's
+    draft_head (eagle3_export.py). A head that does not fit the target is refused before the
+    export starts, naming the key. With draft_only, the head is added to the existing export
+    `out` (`add_draft_head`), which must already return its hidden states."""
     if opset is None and attention in ATTENTIONS:
         opset = DEFAULT_OPSET[attention]
     if not isinstance(draft_only, bool):
         raise ExportOptionError(f"draft_only must be True or False, got {draft_only!r}")
     if draft_only:
         options = draft_options(draft_quant, draft_layers)  # before anything else
-        if options is None:
-            raise ExportOptionError("draft_only needs draft_quant and/or draft_layers")
+        if options is None and draft_head is None:
+            raise ExportOptionError("draft_only needs draft_quant and/or draft_layers, or "
+                                    "draft_head")
     capacity, max_verify_len, opset = check_options(
         capacity=capacity, max_verify_len=max_verify_len, dtype=dtype, opset=opset,
         attention=attention, quant=quant, lm_head=lm_head, quant_scheme=quant_scheme)
+    head = None
+    if draft_head is not None and not draft_only:  # read and checked before any work
+        src = identify_source(source)
+        head = read_head_for(draft_head, hf_target(src.path) if src.kind == "hf" else None)
+        head_layers = head.layer_ids if head.layer_ids is not None else "auto"
+        given = hidden_states if hidden_states is None or isinstance(hidden_states, str) \
+            else tuple(hidden_states)
+        if given is not None and given != head_layers:
+            raise ExportOptionError(f"hidden_states {hidden_states!r} differs from the draft "
+                                    f"head's layer ids {head_layers!r}; leave it out with "
+                                    f"draft_head")
+        hidden_states = head_layers
     hidden = check_hidden_states_option(hidden_states, attention=attention, quant=quant,
                                         dtype=dtype)
     if hidden is not None and draft_only:
@@ -265,8 +291,12 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
         models_dir() / "exported" / f"{src.name}-{quant or dtype}{flavour}"
     dest = dest.expanduser().absolute()
     if draft_only:
-        add_draft(dest, source, quant=draft_quant, layers=draft_layers, overwrite=overwrite,
-                  progress=progress)
+        if draft_quant is not None or draft_layers is not None:
+            add_draft(dest, source, quant=draft_quant, layers=draft_layers,
+                      overwrite=overwrite, progress=progress)
+        if draft_head is not None:
+            add_draft_head(dest, draft_head, source=source, overwrite=overwrite,
+                           progress=progress)
         return dest
     if draft is not None or hidden is not None:
         layers = source_num_layers(src)
@@ -285,11 +315,13 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     started = time.perf_counter()
     try:
-        with progress_bar(len(STAGES) + (draft is not None), "export", "stage",
+        with progress_bar(len(STAGES) + (draft is not None) + (head is not None), "export",
+                          "stage",
                           enabled=progress, bar_factory=tqdm) as bar:
             _export_into(tmp, src, capacity=capacity, max_verify_len=max_verify_len, dtype=dtype,
                          opset=opset, attention=attention, progress=progress, bar=bar,
                          started=started, draft=draft, hidden=hidden,
+                         head=None if head is None else (head, Path(draft_head)),
                          quant=None if quant is None else weight_quant(
                              quant, lm_head=lm_head, scheme=quant_scheme))
         mf.read_manifest(tmp)  # the directory as the runtime will see it
@@ -320,7 +352,8 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
                  opset: int, attention: str, progress: bool, bar: Any,
                  started: float, draft: DraftOptions | None = None,
                  quant: WeightQuant | None = None,
-                 hidden: str | tuple[int, ...] | None = None) -> mf.Manifest:
+                 hidden: str | tuple[int, ...] | None = None,
+                 head: tuple[Eagle3Head, Path] | None = None) -> mf.Manifest:
     from .checkpoint import load_checkpoint  # torch + transformers: only now
     from .validate import validate_export, validate_hidden_states
 
@@ -334,6 +367,8 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
     if draft is not None:
         check_draft_layers(draft, ckpt.spec.num_layers)
     hidden_layers = () if hidden is None else resolve_layers(hidden, ckpt.spec.num_layers)
+    if head is not None:  # before the build: a head that does not fit is refused now
+        check_fits(head[0], Eagle3Target.from_spec(ckpt.spec))
     bar.update()
 
     stage("build")
@@ -417,6 +452,16 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
                     opset=opset)
         listed = with_draft_listed(json.loads(manifest.to_json()), f"{DRAFTS_DIR}/{draft.name}")
         manifest = mf.parse_manifest(listed)
+        manifest.write(tmp)
+        bar.update()
+    if head is not None:
+        stage("draft head")
+        eagle3, path = head
+        export_head_into(tmp, eagle3, target=Eagle3Target.from_spec(ckpt.spec),
+                         capacity=capacity, source=head_source(path),
+                         target_embed=None if eagle3.has_own_embedding else
+                         np.asarray(ckpt.weight("embed"), np.float32))
+        manifest = dataclasses.replace(manifest, draft_head=HEAD_DIR)
         manifest.write(tmp)
         bar.update()
     return manifest

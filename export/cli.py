@@ -64,9 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-layers", type=int, default=None, metavar="N",
                    help="also export a draft made of the first N decoder layers (with "
                         "--draft-quant: one draft, both at once) into OUT/drafts/layersN")
+    p.add_argument("--draft-head", default=None, metavar="PATH",
+                   help="an EAGLE-3 draft head checkpoint directory (speculators or EAGLE/SpecForge "
+                        "format): the target also returns the hidden states it reads (implies "
+                        "--hidden-states with its layer ids), and the head is exported, validated "
+                        "against its PyTorch forward, into OUT/drafts/eagle3")
     p.add_argument("--draft-only", action="store_true",
-                   help="add the draft to the existing model directory OUT (default: where this "
-                        "export would go) instead of exporting the target too")
+                   help="add the draft (or with --draft-head the head) to the existing model "
+                        "directory OUT (default: where this export would go) instead of "
+                        "exporting the target too")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing output directory (with --draft-only: the draft)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -85,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from .api import export_model
         from .drafts import DRAFTS_DIR, DraftOptions
+        from .eagle3_export import HEAD_DIR
 
         out = export_model(args.source, out=args.out, capacity=args.capacity,
                            max_verify_len=args.max_verify_len, dtype=args.dtype, opset=args.opset,
@@ -94,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                            draft_only=args.draft_only, quant=args.quant, lm_head=args.lm_head,
                            quant_scheme=args.quant_scheme,
                            hidden_states=None if args.hidden_states is None else
-                           parse_hidden_states(args.hidden_states))
+                           parse_hidden_states(args.hidden_states),
+                           draft_head=args.draft_head)
     except (OrtspecError, OSError) as e:
         print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
         return 2
@@ -106,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.draft_quant is not None or args.draft_layers is not None:  # one line per directory
         quant = args.quant if args.draft_layers is not None and args.quant else args.draft_quant
         print(out / DRAFTS_DIR / DraftOptions(quant, args.draft_layers).name)
+    if args.draft_head is not None:
+        print(out / HEAD_DIR)
     return 0
 
 

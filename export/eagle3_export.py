@@ -108,7 +108,7 @@ def validate_head(head_dir: Path, head: Eagle3Head, *, target_embed: np.ndarray 
 
     from ortspec.runtime.ort.head import open_draft_head
 
-    from .eagle3_reference import HeadKV, embed, head_forward, project_aux
+    from .eagle3_reference import embed, head_forward, project_aux
 
     ort_head = open_draft_head(head_dir, threads=1)
     rng = np.random.default_rng(seed)
@@ -186,19 +186,6 @@ def head_source(head_path: str | os.PathLike) -> dict[str, Any]:
     path = Path(head_path).expanduser().absolute()
     return {"path": str(path), "files": {p.name: mf.sha256_file(p) for p in sorted(
         path.glob("*")) if p.is_file() and p.suffix in (".json", ".safetensors")}}
-
-
-def check_hidden_layers(head: Eagle3Head, target: Eagle3Target,
-                        hidden_states: Any) -> tuple[int, ...]:
-    """The target's hidden_state_layers a head needs; ExportError when an explicit
-    --hidden-states asks for others."""
-    layers = head.layers_for(target.num_layers)
-    if hidden_states is not None and hidden_states != "auto" and \
-            tuple(hidden_states) != layers:
-        raise ExportError(f"hidden_states {list(hidden_states)} differ from the draft head's "
-                          f"eagle_aux_hidden_state_layer_ids {list(layers)}; leave "
-                          f"--hidden-states out with --draft-head")
-    return layers
 
 
 def add_draft_head(model_dir: str | os.PathLike, head_path: str | os.PathLike, *,
