@@ -38,7 +38,7 @@ from ortspec.runtime.ort import manifest as mf
 
 from .drafts import DRAFTS_DIR
 from .eagle3 import Eagle3Head, Eagle3Target, check_fits, read_eagle3_head
-from .eagle3_graph import build_head_graphs
+from .eagle3_graph import build_head_graphs, check_buildable
 
 HEAD_NAME = "eagle3"
 HEAD_DIR = f"{DRAFTS_DIR}/{HEAD_NAME}"  # relative to the target directory: manifest.draft_head
@@ -72,12 +72,25 @@ def read_head_for(head_path: str | os.PathLike, target: Eagle3Target | None) -> 
     if not path.is_dir():
         raise ExportError(f"draft head {str(path)!r} is not a directory (an EAGLE-3 head is "
                           f"config.json and safetensors weights)")
-    return read_eagle3_head(path, target=target)
+    head = read_eagle3_head(path, target=target)
+    check_buildable(head)
+    return head
 
 
 def write_draft_head(dest: Path, head: Eagle3Head, *, target: Eagle3Target, capacity: int,
                      target_embed: np.ndarray | None, source: dict[str, Any]) -> hc.HeadConfig:
     """Build, validate and describe the head in the (empty) directory `dest`."""
+    config = write_head_files(dest, head, target=target, capacity=capacity,
+                              target_embed=target_embed, source=source)
+    report = validate_head(dest, head, target_embed=target_embed)
+    config = dataclasses.replace(config, extra={**config.extra, "validation": report})
+    config.write(dest)
+    return config
+
+
+def write_head_files(dest: Path, head: Eagle3Head, *, target: Eagle3Target, capacity: int,
+                     target_embed: np.ndarray | None, source: dict[str, Any]) -> hc.HeadConfig:
+    """The head's graphs, target_ids.npy and head.json in `dest`, not yet validated."""
     check_fits(head, target)
     dest.mkdir(parents=True, exist_ok=True)
     files = build_head_graphs(head, dest, capacity=capacity, embed=target_embed)
@@ -93,9 +106,6 @@ def write_draft_head(dest: Path, head: Eagle3Head, *, target: Eagle3Target, capa
         extra={"revision": HEAD_REVISION, "source": source,
                "source_format": head.source_format, "own_embedding": head.has_own_embedding,
                "weight_bytes": files.weight_bytes})
-    config.write(dest)
-    report = validate_head(dest, head, target_embed=target_embed)
-    config = dataclasses.replace(config, extra={**config.extra, "validation": report})
     config.write(dest)
     return config
 

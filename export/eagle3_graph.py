@@ -38,6 +38,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from ortspec.runtime.errors import ExportError
 from ortspec.runtime.ort import graph_io as gio
 
 from .attention import FLAVOURS
@@ -71,13 +72,26 @@ def head_spec(head: Eagle3Head, vocab_size: int) -> DecoderSpec:
 
 
 def rope_tables(head: Eagle3Head, capacity: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [capacity, head_dim // 2] float32 at positions 0..capacity-1, from the
-    reference's rotary (transformers' LlamaRotaryEmbedding under the head's config)."""
+    """cos, sin [capacity, head_dim // 2] float32 at positions 0..capacity-1: Llama's default
+    rotary (position * theta ** (-2i / head_dim)) in NumPy, or with the config's rope_scaling
+    the reference's (transformers' LlamaRotaryEmbedding under the head's config)."""
+    half = head.head_dim // 2
+    if head.rope_scaling is None:  # what LlamaRotaryEmbedding computes for rope_type default
+        inv_freq = 1.0 / head.rope_theta ** (np.arange(0, head.head_dim, 2, dtype=np.int64)
+                                             .astype(np.float32) / head.head_dim)
+        angles = np.arange(capacity, dtype=np.float32)[:, None] * inv_freq[None, :]
+        return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     from .eagle3_reference import rope
 
     cos, sin = rope(head, np.arange(capacity))  # [capacity, head_dim], rotate-half layout
-    half = head.head_dim // 2
     return cos[:, :half].numpy().copy(), sin[:, :half].numpy().copy()
+
+
+def check_buildable(head: Eagle3Head) -> None:
+    """ExportError for a head these graphs cannot hold (before any work)."""
+    if head.head_dim % 16:
+        raise ExportError(f"EAGLE-3 head: head_dim {head.head_dim} is not a multiple of 16, "
+                          f"which onnxruntime's GroupQueryAttention requires")
 
 
 def build_head_graphs(head: Eagle3Head, directory: Path, *, capacity: int,
@@ -86,6 +100,7 @@ def build_head_graphs(head: Eagle3Head, directory: Path, *, capacity: int,
 
     embed: the target's embedding table [vocab, H] float32, for a head without its own
     (required then; ignored otherwise)."""
+    check_buildable(head)
     table = head.embed if head.embed is not None else embed
     if table is None:
         raise ValueError("this head has no embed_tokens: pass the target's embedding table")
