@@ -240,8 +240,9 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
     also returns the residual stream entering each listed decoder layer at the rows whose
     logits it computes, as the output `hidden_states` [N, len(ids) * hidden] float32, and the
     manifest lists the ids (`hidden_state_layers`); see hidden_states.py for the convention.
-    float32 gqa or window graphs without quant only. None (the default): the graph is
-    unchanged.
+    float32 gqa or window graphs (quant too). None (the default): the graph is
+    unchanged. With quant the states are the quantized graph's, validated against PyTorch on
+    the dequantized weights under the quantized logits' bounds.
 
     draft_head: an EAGLE-3 head checkpoint directory (speculators or EAGLE/SpecForge format,
     eagle3.py): the target returns the hidden states the head reads (hidden_states is implied;
@@ -429,8 +430,13 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
         report = validate_export(
             tmp, manifest, ckpt, reference_weights=dequantized_weights(ckpt, ckpt.spec, options),
             tolerances=dataclasses.replace(QUANT_TOLERANCES, step_vs_verify=Bound(0.0, 0.0)))
-    hidden_report = None if manifest.hidden_state_layers is None else \
-        validate_hidden_states(tmp, manifest, ckpt)
+    hidden_report = None
+    if manifest.hidden_state_layers is not None and quant is None:
+        hidden_report = validate_hidden_states(tmp, manifest, ckpt)
+    elif manifest.hidden_state_layers is not None:  # as the logits: the weights it multiplies by
+        hidden_report = validate_hidden_states(
+            tmp, manifest, ckpt, reference_weights=dequantized_weights(ckpt, ckpt.spec, options),
+            tolerances=dataclasses.replace(QUANT_TOLERANCES, step_vs_verify=Bound(0.0, 0.0)))
     bar.update()
 
     stage("checksums")

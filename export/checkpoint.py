@@ -112,7 +112,7 @@ class Checkpoint:
         used instead of the checkpoint's for this call (a quantized draft's dequantized
         weights; "lm_head" unties a tied head). The model is restored afterwards either way.
         """
-        with torch.no_grad(), self._truncated(num_layers), self._replaced(replace or {}):
+        with torch.no_grad(), self._truncated(num_layers), self.replaced(replace or {}):
             out = self.model(torch.as_tensor(ids, dtype=torch.int64)[None], use_cache=False)
         return out.logits[0].float().numpy()
 
@@ -132,7 +132,9 @@ class Checkpoint:
             config.num_hidden_layers = full
 
     @contextlib.contextmanager
-    def _replaced(self, weights: dict[str, np.ndarray]):
+    def replaced(self, weights: dict[str, np.ndarray]):
+        """The model computing with `weights` (canonical name -> float32 array) instead of
+        the checkpoint's while the block runs (see torch_logits' replace)."""
         saved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         head = self.model.lm_head
         tied_head = head.weight  # restored as the very Parameter, so a tied head is tied again

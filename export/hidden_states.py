@@ -35,7 +35,8 @@ from .errors import ExportOptionError
 
 AUTO = "auto"  # the EAGLE-3 default layers of the checkpoint (eagle3_layers)
 MAX_LAYERS = 8  # the most ids one export lists (EAGLE-3 reads three)
-# what the option was tested with: float32 weights, the GQA (CPU) and the window (batched) graph
+# what the option was tested with: float32 activations (float32 or int4 weights), the GQA (CPU)
+# and the window (batched) graph
 ATTENTIONS = ("gqa", "window")
 
 HiddenStatesOption = str | Sequence[int] | None  # "auto", layer ids, or None (no output)
@@ -60,7 +61,8 @@ def parse_hidden_states(text: str) -> str | tuple[int, ...]:
 def check_hidden_states_option(value: HiddenStatesOption, *, attention: str,
                                quant: str | None, dtype: str) -> str | tuple[int, ...] | None:
     """Check the option before any work: its form, and that the graph it goes into is one it
-    was tested with (float32, no quantization, gqa or window attention). Returns "auto", the
+    was tested with (float32 activations, gqa or window attention; quant allowed: the states
+    are the quantized graph's own). Returns "auto", the
     ids as a tuple (ranges are checked against the checkpoint by resolve_layers), or None."""
     if value is None:
         return None
@@ -80,11 +82,11 @@ def check_hidden_states_option(value: HiddenStatesOption, *, attention: str,
             raise ExportOptionError(f"hidden_states: expected 1..{MAX_LAYERS} integer layer ids, "
                                     f"got {value!r}")
         ids = tuple(int(i) for i in ids)
-    if attention not in ATTENTIONS or quant is not None or dtype != "fp32":
+    if attention not in ATTENTIONS or dtype != "fp32":
         raise ExportOptionError(
-            f"hidden_states is supported on float32 graphs with attention "
-            f"{' or '.join(map(repr, ATTENTIONS))} and no quant; got attention={attention!r}, "
-            f"quant={quant!r}, dtype={dtype!r}")
+            f"hidden_states is supported on float32 graphs (int4 weights too) with attention "
+            f"{' or '.join(map(repr, ATTENTIONS))}; got attention={attention!r}, "
+            f"dtype={dtype!r}")
     return ids
 
 

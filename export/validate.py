@@ -170,32 +170,37 @@ class HiddenStateReport:
         return dataclasses.asdict(self)
 
 
-def torch_hidden_states(checkpoint: Checkpoint, ids: np.ndarray,
-                        layers: tuple[int, ...]) -> np.ndarray:
+def torch_hidden_states(checkpoint: Checkpoint, ids: np.ndarray, layers: tuple[int, ...], *,
+                        replace: dict[str, np.ndarray] | None = None) -> np.ndarray:
     """PyTorch's residual streams entering `layers` on ids [n], one forward pass:
     [n, len(layers) * hidden] float32, transformers' `hidden_states[k]` for each k in order
-    (index 0 the embeddings, k the output of layer k - 1)."""
+    (index 0 the embeddings, k the output of layer k - 1). replace: as torch_logits'."""
     import torch  # the export's dependency, imported only when an export runs
 
-    with torch.no_grad():
+    with torch.no_grad(), checkpoint.replaced(replace or {}):
         out = checkpoint.model(torch.as_tensor(ids, dtype=torch.int64)[None], use_cache=False,
                                output_hidden_states=True)
     return np.concatenate([out.hidden_states[k][0].float().numpy() for k in layers], axis=-1)
 
 
-def validate_hidden_states(model_dir: Path, manifest: mf.Manifest,
-                           checkpoint: Checkpoint) -> HiddenStateReport:
+def validate_hidden_states(model_dir: Path, manifest: mf.Manifest, checkpoint: Checkpoint, *,
+                           reference_weights: dict[str, np.ndarray] | None = None,
+                           tolerances: Tolerances | None = None) -> HiddenStateReport:
     """Raise ExportError when the `hidden_states` output of the verify or the step entry point
-    strays from PyTorch's states (or the two from each other) beyond HIDDEN_STATE_TOLERANCES.
-    The logits of the same graph are validate_export's, under the logits' own bounds."""
+    strays from PyTorch's states (or the two from each other) beyond HIDDEN_STATE_TOLERANCES
+    (`tolerances` instead, with `reference_weights` swapped into PyTorch, for a quantized
+    graph, as validate_export). The logits of the same graph are validate_export's, under the
+    logits' own bounds."""
     layers = manifest.hidden_state_layers
     assert layers is not None  # internal: called for exports with hidden states only
     ids = validation_prompt(checkpoint, capacity=manifest.capacity,
                             max_verify_len=manifest.max_verify_len)
     _, _, hidden = run_graph_outputs(model_dir, manifest, ids)
     assert hidden is not None
-    (verify_h, step_h), reference = hidden, torch_hidden_states(checkpoint, ids, layers)
-    d = deviations(verify_h, step_h, reference, HIDDEN_STATE_TOLERANCES[manifest.dtype],
+    reference = torch_hidden_states(checkpoint, ids, layers, replace=reference_weights)
+    verify_h, step_h = hidden
+    d = deviations(verify_h, step_h, reference,
+                   tolerances or HIDDEN_STATE_TOLERANCES[manifest.dtype],
                    noun="hidden states", subject=f"hidden states of layers {list(layers)}")
     report = HiddenStateReport(
         layers=list(layers), step_vs_verify=d.step_vs_verify,

@@ -186,3 +186,16 @@ def test_validation_catches_a_graph_that_is_not_the_reference(tmp_path, src, tar
     validate_head(out / HEAD_DIR, head, target_embed=target_embed)  # passes on its own head
     with pytest.raises(ExportError, match="differ from the PyTorch reference at entry 0"):
         validate_head(out / HEAD_DIR, other, target_embed=target_embed)
+
+
+@pytest.mark.parametrize("attention", ["gqa", "window"])
+def test_an_int4_target_takes_a_head(tmp_path, src, target_embed, attention):
+    # the int4 graph's own states feed the head; the head itself is float32 as ever
+    head_src = _head(tmp_path, SPECULATORS, draft_vocab=DRAFT_VOCAB)
+    out = export_model(src, out=tmp_path / "out", capacity=CAP, max_verify_len=VERIFY,
+                       quant="int4", attention=attention, progress=False, draft_head=head_src)
+    m = mf.read_manifest(out)
+    assert m.draft_head == HEAD_DIR and m.hidden_state_layers == tuple(LAYER_IDS)
+    assert m.extra["weights"]["format"] == "MatMulNBits"
+    assert "hidden_state_validation" in m.extra
+    _check_against_reference(out, head_src, target_embed)

@@ -144,7 +144,6 @@ def test_greedy_prompt_lookup_is_plain_decoding_token_for_token(hs_dir):
 
 @pytest.mark.parametrize("options, match", [
     (dict(attention="standard"), "attention 'gqa' or 'window'"),
-    (dict(quant="int4"), "no quant"),
     (dict(dtype="fp16"), "float32"),
     (dict(hidden_states=(0, 4, 5)), r"1\.\.7"),
     (dict(hidden_states=(2, 4, 8)), r"1\.\.7"),
