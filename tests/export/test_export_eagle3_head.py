@@ -199,3 +199,24 @@ def test_an_int4_target_takes_a_head(tmp_path, src, target_embed, attention):
     assert m.extra["weights"]["format"] == "MatMulNBits"
     assert "hidden_state_validation" in m.extra
     _check_against_reference(out, head_src, target_embed)
+
+
+def test_the_command_line(tmp_path, src, capsys):
+    from ortspec.export.cli import main
+
+    head_src = _head(tmp_path, EAGLE, own_embedding=True)
+    out = tmp_path / "out"
+    assert main([str(src), "--out", str(out), "--capacity", str(CAP), "--max-verify-len",
+                 str(VERIFY), "--draft-head", str(head_src), "--quiet"]) == 0
+    assert capsys.readouterr().out.split() == [str(out), str(out / HEAD_DIR)]
+    assert mf.read_manifest(out).draft_head == HEAD_DIR
+    # a misfit head: one line, status 2, nothing written
+    assert main([str(src), "--out", str(tmp_path / "bad"), "--draft-head",
+                 str(_narrow_head(tmp_path)), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "hidden_size is 32" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "bad").exists()
+    # onto the existing export, replacing its head
+    assert main([str(src), "--out", str(out), "--draft-only", "--draft-head", str(head_src),
+                 "--overwrite", "--quiet"]) == 0
+    assert capsys.readouterr().out.split() == [str(out / HEAD_DIR)]
