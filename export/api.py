@@ -47,7 +47,8 @@ from .graph_spec import ATTENTIONS, DEFAULT_OPSET, LM_HEADS, MAX_OPSET, MIN_OPSE
 from .graphs import build_decoder
 from .hidden_states import HiddenStatesOption, check_hidden_states_option, resolve_layers
 from .row_probe import PROBE_FILE, write_row_probe
-from .sources import DEFAULT_RECIPE, Source, identify_source, materialize, source_num_layers
+from .sources import DEFAULT_RECIPE, Source, identify_source, materialize, recorded_source, \
+    source_num_layers
 
 GRAPH_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
@@ -514,7 +515,7 @@ def add_draft(target: str | os.PathLike, source: str | os.PathLike | None = None
     dest = target_dir / DRAFTS_DIR / options.name
     if dest.exists() and not overwrite:
         raise ExportError(f"{dest} already exists; pass overwrite=True (--overwrite) to replace it")
-    src = identify_source(source) if source is not None else _recorded_source(manifest)
+    src = identify_source(source) if source is not None else recorded_source(manifest)
 
     from .checkpoint import load_checkpoint  # torch + transformers: only now
 
@@ -556,18 +557,6 @@ def add_draft(target: str | os.PathLike, source: str | os.PathLike | None = None
                 pass
         raise
     return dest
-
-
-def _recorded_source(manifest: mf.Manifest) -> Source:
-    """The checkpoint a target's manifest says it was exported from."""
-    kind = manifest.source.get("kind")
-    if kind == "default":
-        return identify_source(None)
-    path = manifest.source.get("path")
-    if kind in ("hf", "gguf") and isinstance(path, str) and Path(path).exists():
-        return identify_source(path)
-    raise ExportError(f"the target's source ({kind} {path!r}) is not available here; pass the "
-                      f"checkpoint it was exported from as `source`")
 
 
 def default_draft_dir(kind: str = "int4", *, layers: int | None = None) -> Path:

