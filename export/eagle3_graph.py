@@ -45,7 +45,7 @@ from .attention import FLAVOURS
 from .builder import GraphBuilder
 from .eagle3 import Eagle3Head
 from .graph_spec import MS, DecoderSpec, GraphOptions
-from .graphs import _activation
+from .graphs import mlp_activation
 from .onnx_writer import ExternalDataWriter
 
 FC_GRAPH, FC_DATA = "fc.onnx", "fc.onnx.data"
@@ -155,7 +155,7 @@ def _build_head(head: Eagle3Head, directory: Path, *, capacity: int, table: np.n
         attn = flavour.attention(b, 0, qkv, context)  # [1, S, heads * D]
         x, residual = b.norm(b.linear(attn, ["layers.0.o"], []), residual,
                              "layers.0.post_attn_norm")
-        act = g.op1("Mul", [_activation(b, b.linear(x, ["layers.0.gate"], [])),
+        act = g.op1("Mul", [mlp_activation(b, b.linear(x, ["layers.0.gate"], [])),
                             b.linear(x, ["layers.0.up"], [])])
         mlp = b.linear(act, ["layers.0.down"], [])
         normed, prenorm = b.norm(mlp, residual, "norm")  # the sum is hidden_out

@@ -141,7 +141,7 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
                 half = b.g.const("gate_up_split", np.array([spec.intermediate_size] * 2,
                                                            np.int64))
                 gate, up = b.g.op("Split", [gate_up, half], 2, axis=-1)
-            act = b.g.op1("Mul", [_activation(b, gate), up])
+            act = b.g.op1("Mul", [mlp_activation(b, gate), up])
             x = b.linear(act, [p + "down"], [p + "down_bias"])  # act(gate) * up -> down
             if spec.sandwich_norms:
                 x, _ = b.norm(x, None, p + "post_mlp_norm")
@@ -163,7 +163,7 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
                       quantized=tuple(b.quantized), float_linear=tuple(b.float_linear))
 
 
-def _activation(b: GraphBuilder, gate: str) -> str:
+def mlp_activation(b: GraphBuilder, gate: str) -> str:
     """The MLP's gate activation: SiLU as x * sigmoid(x), or GELU with the tanh approximation
     (ONNX Gelu from opset 20, onnxruntime's FastGelu below that)."""
     g = b.g

@@ -8,9 +8,9 @@ both `past_key_values.0.*` and `present.0.*`, so GroupQueryAttention writes the 
 place; the cache length lives in Python, the attention mask is `length + n` ones, and `reset`
 and `truncate` are integer assignments.
 
-`forward(tokens, hidden, from_target=True)` runs fc on the target's states into a staging
-buffer and the head on it; `from_target=False` runs the head alone on the given hidden states
-(the head's own `hidden_out`). The outputs land in preallocated buffers whose views are
+`forward(tokens, hidden, from_target=True)` runs fc on the target's states into the head's
+input buffer and the head on it; `from_target=False` copies the given hidden states (the head's
+own `hidden_out`, perhaps the very view the last call returned) there and runs the head alone. The outputs land in preallocated buffers whose views are
 returned: valid until the next call.
 
 The head's graph is built for the CPU (float32 GroupQueryAttention, which onnxruntime's CUDA
@@ -62,11 +62,11 @@ class OrtDraftHead:
         self.aux_width: int = c.aux_width
         self.layer_ids: tuple[int, ...] = c.layer_ids
         self.providers = _cpu_providers(providers)
-        so = session_options(threads=threads, allow_spinning=False)  # beside the target
-        self._fc = _session(str(self.head_dir / c.graphs["fc"]), so, self.providers)
-        self._head = _session(str(self.head_dir / c.graphs["head"]),
-                              session_options(threads=threads, allow_spinning=False),
-                              self.providers)
+        # no spinning: the head's sessions share the cores with the target's
+        self._fc, self._head = (
+            _session(str(self.head_dir / c.graphs[role]),
+                     session_options(threads=threads, allow_spinning=False), self.providers)
+            for role in ("fc", "head"))
         self._length = 0
         self._busy = threading.Lock()
         self.ort_seconds = 0.0
@@ -124,18 +124,20 @@ class OrtDraftHead:
             if n > self._rows:
                 self._grow(n)
             t0 = time.perf_counter()
-            if from_target:
+            hidden_in = self._hidden_in[:n * self.hidden_size].reshape(n, self.hidden_size)
+            if from_target:  # fc writes the head's input
                 self._fc_io.bind_cpu_input(AUX, np.ascontiguousarray(states, np.float32))
-                self._fc_io.bind_ortvalue_output(HIDDEN, self._view(self._fc_out, n))
+                self._fc_io.bind_ortvalue_output(HIDDEN, self._view(self._hidden_in, n))
                 self._fc.run_with_iobinding(self._fc_io)
                 self.ort_calls += 1
-                states = self._fc_out[:n * self.hidden_size].reshape(n, self.hidden_size)
+            else:  # copied: the caller's rows may be a view of the last call's hidden_out,
+                hidden_in[...] = states  # which this call's output overwrites
             self._ids[:n] = ids
             end = self._length + n
             io = self._head_io
             io.bind_cpu_input(INPUT_IDS, self._ids[:n].reshape(1, n))
             io.bind_cpu_input(ATTENTION_MASK, self._mask[:end].reshape(1, end))
-            io.bind_cpu_input(HIDDEN, np.ascontiguousarray(states, np.float32))
+            io.bind_cpu_input(HIDDEN, hidden_in)
             io.bind_ortvalue_output(LOGITS, self._view(self._logits, n))
             io.bind_ortvalue_output(HIDDEN_OUT, self._view(self._hidden_out, n))
             self._head.run_with_iobinding(io)
@@ -155,7 +157,7 @@ class OrtDraftHead:
         self._ids = np.zeros(self._rows, np.int64)
         self._logits = np.empty(self._rows * self.draft_vocab_size, np.float32)
         self._hidden_out = np.empty(self._rows * self.hidden_size, np.float32)
-        self._fc_out = np.empty(self._rows * self.hidden_size, np.float32)
+        self._hidden_in = np.empty(self._rows * self.hidden_size, np.float32)  # the head's input
         self._values: dict[tuple[int, int], ort.OrtValue] = {}
 
     def _view(self, buffer: np.ndarray, n: int) -> ort.OrtValue:

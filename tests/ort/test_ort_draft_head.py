@@ -140,3 +140,16 @@ def test_a_changed_file_or_head_json_is_refused(tmp_path):
     (d / hc.HEAD_FILE).unlink()
     with pytest.raises(ManifestError, match="has no head.json"):
         open_draft_head(d)
+
+
+def test_the_returned_hidden_view_can_be_fed_straight_back(head_dir):
+    # a drafter passes hidden_out[-1:] back as is: a view of the buffer the call writes
+    a, b = open_draft_head(head_dir, threads=1), open_draft_head(head_dir, threads=1)
+    aux = _aux(3, seed=4)
+    ha = a.forward(TOKENS[:3], aux, from_target=True)[1]
+    hb = b.forward(TOKENS[:3], aux, from_target=True)[1]
+    for token in (9, 260, 33):
+        la, ha = a.forward([token], ha[-1:], from_target=False)
+        lb, hb = b.forward([token], hb[-1:].copy(), from_target=False)
+        np.testing.assert_array_equal(la, lb)
+        np.testing.assert_array_equal(ha, hb)
