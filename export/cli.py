@@ -12,8 +12,8 @@ import sys
 from ortspec.runtime.cli.args import UserErrorParser
 from ortspec.runtime.errors import OrtspecError
 
-from .graph_spec import ATTENTIONS, DEFAULT_OPSET, LM_HEADS, MAX_OPSET, MIN_OPSET, QUANT_SCHEMES, \
-    QUANTS
+from .graph_spec import ATTENTIONS, DEFAULT_OPSET, HEAD_QUANTS, LM_HEADS, MAX_OPSET, MIN_OPSET, \
+    QUANT_SCHEMES, QUANTS
 from .hidden_states import parse_hidden_states
 
 PROG = "ortspec export"
@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "format): the target also returns the hidden states it reads (implies "
                         "--hidden-states with its layer ids), and the head is exported, validated "
                         "against its PyTorch forward, into OUT/drafts/eagle3")
+    p.add_argument("--draft-head-quant", choices=tuple(HEAD_QUANTS), default=None,
+                   help="with --draft-head: int8 stores the head's linear weights and LM head as "
+                        "8-bit MatMulNBits (about half the float32 head's step time)")
     p.add_argument("--draft-only", action="store_true",
                    help="add the draft (or with --draft-head the head) to the existing model "
                         "directory OUT (default: where this export would go) instead of "
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                            quant_scheme=args.quant_scheme,
                            hidden_states=None if args.hidden_states is None else
                            parse_hidden_states(args.hidden_states),
-                           draft_head=args.draft_head)
+                           draft_head=args.draft_head, draft_head_quant=args.draft_head_quant)
     except (OrtspecError, OSError) as e:
         print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
         return 2

@@ -39,11 +39,18 @@ from ortspec.runtime.ort import manifest as mf
 from .drafts import DRAFTS_DIR
 from .eagle3 import Eagle3Head, Eagle3Target, check_fits, read_eagle3_head
 from .eagle3_graph import build_head_graphs, check_buildable
+from .errors import ExportOptionError
+from .graph_spec import HEAD_QUANTS, WeightQuant
+from .quantize import quantize_blockwise
 
 HEAD_NAME = "eagle3"
 HEAD_DIR = f"{DRAFTS_DIR}/{HEAD_NAME}"  # relative to the target directory: manifest.draft_head
 # float32 graph against float32 PyTorch: GQA's and MatMul's summation orders only
 HEAD_TOLERANCE = Bound(absolute=1e-4, relative=2e-4)
+# an int8 head against PyTorch on its dequantized weights: the MatMulNBits kernels round the
+# activations to int8 (accuracy level 4), a share of the logit scale as for int4 drafts
+HEAD_QUANT_TOLERANCE = Bound(absolute=1e-3, relative=0.05)
+LINEAR_FIELDS = ("fc", "q", "k", "v", "o", "gate", "up", "down")
 FIRST_ROWS, OWN_STEPS = 5, 3  # entries of the first call; steps fed by the head's own output
 HEAD_REVISION = 1
 
@@ -77,23 +84,55 @@ def read_head_for(head_path: str | os.PathLike, target: Eagle3Target | None) -> 
     return head
 
 
+def check_head_quant(quant: str | None) -> WeightQuant | None:
+    """The HEAD_QUANTS preset named `quant` (None: float32); ExportOptionError otherwise."""
+    if quant is None:
+        return None
+    if quant not in HEAD_QUANTS:
+        raise ExportOptionError(f"draft_head_quant must be one of {', '.join(HEAD_QUANTS)} or "
+                                f"None, got {quant!r}")
+    return HEAD_QUANTS[quant]
+
+
+def dequantized_head(head: Eagle3Head, quant: WeightQuant | None) -> Eagle3Head:
+    """The head with the weights a `quant` graph multiplies by (each quantized and
+    dequantized again, as builder.py's MatMulNBits stores them): the reference it is
+    validated against."""
+    if quant is None:
+        return head
+
+    def back(w: np.ndarray, bits: int, scheme: str) -> np.ndarray:
+        if w.shape[1] % quant.block_size:
+            return w  # left float by the builder
+        return quantize_blockwise(w, bits=bits, block_size=quant.block_size,
+                                  scheme=scheme).dequantize()
+
+    weights = {f: back(getattr(head, f), quant.bits, quant.scheme) for f in LINEAR_FIELDS}
+    weights["lm_head"] = back(head.lm_head, quant.lm_head_bits, quant.lm_head_scheme)
+    return dataclasses.replace(head, **weights)
+
+
 def write_draft_head(dest: Path, head: Eagle3Head, *, target: Eagle3Target, capacity: int,
-                     target_embed: np.ndarray | None, source: dict[str, Any]) -> hc.HeadConfig:
-    """Build, validate and describe the head in the (empty) directory `dest`."""
+                     target_embed: np.ndarray | None, source: dict[str, Any],
+                     quant: str | None = None) -> hc.HeadConfig:
+    """Build, validate and describe the head in the (empty) directory `dest` (quant: a
+    HEAD_QUANTS name, or None for float32)."""
     config = write_head_files(dest, head, target=target, capacity=capacity,
-                              target_embed=target_embed, source=source)
-    report = validate_head(dest, head, target_embed=target_embed)
+                              target_embed=target_embed, source=source, quant=quant)
+    report = validate_head(dest, head, target_embed=target_embed, quant=quant)
     config = dataclasses.replace(config, extra={**config.extra, "validation": report})
     config.write(dest)
     return config
 
 
 def write_head_files(dest: Path, head: Eagle3Head, *, target: Eagle3Target, capacity: int,
-                     target_embed: np.ndarray | None, source: dict[str, Any]) -> hc.HeadConfig:
+                     target_embed: np.ndarray | None, source: dict[str, Any],
+                     quant: str | None = None) -> hc.HeadConfig:
     """The head's graphs, target_ids.npy and head.json in `dest`, not yet validated."""
     check_fits(head, target)
+    q = check_head_quant(quant)
     dest.mkdir(parents=True, exist_ok=True)
-    files = build_head_graphs(head, dest, capacity=capacity, embed=target_embed)
+    files = build_head_graphs(head, dest, capacity=capacity, embed=target_embed, quant=q)
     np.save(dest / hc.TARGET_IDS_FILE, head.target_ids().astype(np.int64))
     names = (*files.files, hc.TARGET_IDS_FILE)
     config = hc.HeadConfig(
@@ -105,15 +144,19 @@ def write_head_files(dest: Path, head: Eagle3Head, *, target: Eagle3Target, capa
         files={n: mf.sha256_file(dest / n) for n in names},
         extra={"revision": HEAD_REVISION, "source": source,
                "source_format": head.source_format, "own_embedding": head.has_own_embedding,
-               "weight_bytes": files.weight_bytes})
+               "weight_bytes": files.weight_bytes,
+               "weights": {"format": "float", "dtype": "fp32"} if q is None else
+               {"format": "MatMulNBits", "preset": quant, **dataclasses.asdict(q)}})
     config.write(dest)
     return config
 
 
 def validate_head(head_dir: Path, head: Eagle3Head, *, target_embed: np.ndarray | None,
-                  seed: int = 0) -> dict[str, Any]:
+                  quant: str | None = None, seed: int = 0) -> dict[str, Any]:
     """Compare the exported head with the PyTorch reference (see the module docstring);
-    ExportError at the first entry beyond HEAD_TOLERANCE. Returns the largest deviations."""
+    ExportError at the first entry beyond HEAD_TOLERANCE (a quantized head: against the
+    reference on its dequantized weights, within HEAD_QUANT_TOLERANCE). Returns the largest
+    deviations."""
     import torch
 
     from ortspec.runtime.ort.head import open_draft_head
@@ -121,6 +164,8 @@ def validate_head(head_dir: Path, head: Eagle3Head, *, target_embed: np.ndarray 
     from .eagle3_reference import embed, head_forward, project_aux
 
     ort_head = open_draft_head(head_dir, threads=1)
+    head = dequantized_head(head, check_head_quant(quant))
+    tolerance = HEAD_TOLERANCE if quant is None else HEAD_QUANT_TOLERANCE
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, ort_head.vocab_size, FIRST_ROWS)  # [n] target ids
     aux = rng.normal(size=(FIRST_ROWS, head.fc.shape[1])).astype(np.float32)  # [n, K * Ht]
@@ -128,9 +173,9 @@ def validate_head(head_dir: Path, head: Eagle3Head, *, target_embed: np.ndarray 
 
     def compare(what: str, first: int, logits: np.ndarray, hidden: np.ndarray, ref) -> None:
         want = ref.logits.numpy()
-        bound = HEAD_TOLERANCE.at(float(np.abs(want).max()))
+        bound = tolerance.at(float(np.abs(want).max()))
         for name, got, exp in (("logits", logits, want), ("hidden", hidden, ref.hidden.numpy())):
-            scale = bound if name == "logits" else HEAD_TOLERANCE.at(float(np.abs(exp).max()))
+            scale = bound if name == "logits" else tolerance.at(float(np.abs(exp).max()))
             dev = np.abs(got - exp).max(axis=-1)  # [n]
             worst[name] = max(worst[name], float(dev.max()))
             bad = np.flatnonzero(dev > scale)
@@ -163,12 +208,12 @@ def validate_head(head_dir: Path, head: Eagle3Head, *, target_embed: np.ndarray 
     compare("the steps re-fed in one call after truncate", FIRST_ROWS, logits, hidden, refed)
     return {"entries": FIRST_ROWS + 2 * OWN_STEPS, "max_logit_deviation": worst["logits"],
             "max_hidden_deviation": worst["hidden"],
-            "tolerance": dataclasses.asdict(HEAD_TOLERANCE)}
+            "tolerance": dataclasses.asdict(tolerance)}
 
 
 def export_head_into(target_dir: Path, head: Eagle3Head, *, target: Eagle3Target,
                      capacity: int, target_embed: np.ndarray | None,
-                     source: dict[str, Any]) -> Path:
+                     source: dict[str, Any], quant: str | None = None) -> Path:
     """Write the head into `target_dir/drafts/eagle3` (a temporary sibling renamed into place,
     replacing an older head) and return that path; the caller lists it in the manifest."""
     dest = target_dir / HEAD_DIR
@@ -176,7 +221,7 @@ def export_head_into(target_dir: Path, head: Eagle3Head, *, target: Eagle3Target
     tmp = Path(tempfile.mkdtemp(prefix=f".{HEAD_NAME}.tmp-", dir=dest.parent))
     try:
         write_draft_head(tmp, head, target=target, capacity=capacity,
-                         target_embed=target_embed, source=source)
+                         target_embed=target_embed, source=source, quant=quant)
         os.chmod(tmp, 0o755)
         if dest.exists():
             old = dest.with_name(f".{HEAD_NAME}.old-{os.getpid()}")
@@ -200,7 +245,7 @@ def head_source(head_path: str | os.PathLike) -> dict[str, Any]:
 
 def add_draft_head(model_dir: str | os.PathLike, head_path: str | os.PathLike, *,
                    source: str | os.PathLike | None = None, overwrite: bool = False,
-                   progress: bool = False) -> Path:
+                   quant: str | None = None, progress: bool = False) -> Path:
     """Add the EAGLE-3 head at `head_path` to the existing export `model_dir`, into
     `model_dir/drafts/eagle3`, and set its manifest's draft_head; returns the head's path.
 
@@ -208,7 +253,9 @@ def add_draft_head(model_dir: str | os.PathLike, head_path: str | os.PathLike, *
     hidden_state_layers are the head's layer ids). A head without its own embedding embeds
     with the target's table, read from the target's checkpoint (`source`, default the one its
     manifest records). ExportError, with the directory unchanged, for a head that does not
-    fit (naming the key) or an export that does not return its states."""
+    fit (naming the key) or an export that does not return its states. quant: a HEAD_QUANTS
+    name (the head's weights as MatMulNBits), or None for float32."""
+    check_head_quant(quant)
     target_dir = Path(model_dir).expanduser().absolute()
     try:
         manifest = mf.read_manifest(target_dir)
@@ -233,7 +280,7 @@ def add_draft_head(model_dir: str | os.PathLike, head_path: str | os.PathLike, *
     if not head.has_own_embedding:
         embed = _target_embedding(manifest, target_dir, source, progress=progress)
     dest = export_head_into(target_dir, head, target=target, capacity=manifest.capacity,
-                            target_embed=embed, source=head_source(head_path))
+                            target_embed=embed, source=head_source(head_path), quant=quant)
     set_draft_head(target_dir, HEAD_DIR)
     return dest
 

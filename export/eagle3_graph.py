@@ -44,7 +44,7 @@ from ortspec.runtime.ort import graph_io as gio
 from .attention import FLAVOURS
 from .builder import GraphBuilder
 from .eagle3 import Eagle3Head
-from .graph_spec import MS, DecoderSpec, GraphOptions
+from .graph_spec import MS, DecoderSpec, GraphOptions, WeightQuant
 from .graphs import mlp_activation
 from .onnx_writer import ExternalDataWriter
 
@@ -95,27 +95,29 @@ def check_buildable(head: Eagle3Head) -> None:
 
 
 def build_head_graphs(head: Eagle3Head, directory: Path, *, capacity: int,
-                      embed: np.ndarray | None = None) -> HeadGraphFiles:
+                      embed: np.ndarray | None = None,
+                      quant: WeightQuant | None = None) -> HeadGraphFiles:
     """Write fc.onnx and head.onnx (with their data files) into `directory`.
 
     embed: the target's embedding table [vocab, H] float32, for a head without its own
-    (required then; ignored otherwise)."""
+    (required then; ignored otherwise). quant: the linear weights and the LM head as
+    MatMulNBits (graph_spec.HEAD_QUANTS; the embedding stays float); None: float32 throughout."""
     check_buildable(head)
     table = head.embed if head.embed is not None else embed
     if table is None:
         raise ValueError("this head has no embed_tokens: pass the target's embedding table")
     table = np.asarray(table, np.float32)
-    weight_bytes = _build_fc(head, directory)
-    weight_bytes += _build_head(head, directory, capacity=capacity, table=table)
+    weight_bytes = _build_fc(head, directory, quant=quant)
+    weight_bytes += _build_head(head, directory, capacity=capacity, table=table, quant=quant)
     return HeadGraphFiles(files=(FC_GRAPH, FC_DATA, HEAD_GRAPH, HEAD_DATA),
                           weight_bytes=weight_bytes)
 
 
-def _build_fc(head: Eagle3Head, directory: Path) -> int:
+def _build_fc(head: Eagle3Head, directory: Path, *, quant: WeightQuant | None) -> int:
     width = head.fc.shape[1]
     spec = head_spec(head, vocab_size=1)
     with ExternalDataWriter(directory / FC_DATA) as writer:
-        b = GraphBuilder(spec, GraphOptions(capacity=1, dtype="fp32", opset=OPSET),
+        b = GraphBuilder(spec, GraphOptions(capacity=1, dtype="fp32", opset=OPSET, quant=quant),
                          {"fc": head.fc}.get, writer)
         out = b.linear(AUX, ["fc"], [])  # [S, H]
         if head.fc_bias is not None:
@@ -129,9 +131,11 @@ def _build_fc(head: Eagle3Head, directory: Path) -> int:
     return weight_bytes
 
 
-def _build_head(head: Eagle3Head, directory: Path, *, capacity: int, table: np.ndarray) -> int:
+def _build_head(head: Eagle3Head, directory: Path, *, capacity: int, table: np.ndarray,
+                quant: WeightQuant | None) -> int:
     spec = head_spec(head, vocab_size=table.shape[0])
-    options = GraphOptions(capacity=capacity, dtype="fp32", opset=OPSET, attention="gqa")
+    options = GraphOptions(capacity=capacity, dtype="fp32", opset=OPSET, attention="gqa",
+                           quant=quant)
     weights = {"embed": table, "input_norm": head.input_norm, "hidden_norm": head.hidden_norm,
                "layers.0.q": head.q, "layers.0.k": head.k, "layers.0.v": head.v,
                "layers.0.o": head.o, "layers.0.post_attn_norm": head.post_attn_norm,
@@ -161,8 +165,12 @@ def _build_head(head: Eagle3Head, directory: Path, *, capacity: int, table: np.n
         normed, prenorm = b.norm(mlp, residual, "norm")  # the sum is hidden_out
         rows = g.const("shape_rows_hidden", np.array([-1, h_size], np.int64))
         g.op("Reshape", [prenorm, rows], name="hidden_out", outputs=[HIDDEN_OUT])  # [S, H]
-        logits = g.op1("MatMul", [g.op1("Reshape", [normed, rows]),
-                                  b.weight("lm_head", transpose=True)])  # [S, Vd]
+        normed = g.op1("Reshape", [normed, rows])  # [S, H]
+        if quant is None:
+            logits = g.op1("MatMul", [normed, b.weight("lm_head", transpose=True)])  # [S, Vd]
+        else:
+            logits = b.matmul_nbits(normed, b.add_quantized(
+                "lm_head", head.lm_head, bits=quant.lm_head_bits, scheme=quant.lm_head_scheme))
         g.op("Identity", [logits], name="logits_out", outputs=[gio.LOGITS])
         weight_bytes = writer.bytes_written
     kv_shape = [1, head.num_kv_heads, capacity, head.head_dim]

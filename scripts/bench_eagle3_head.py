@@ -14,10 +14,11 @@ anything):
 - head first step: one entry from the target's hidden states (fc, then the layer);
 - head x4: four entries from the target's states in one call (the accepted tokens of a block).
 
-Without `--head`, a random head of the target's shapes (tiny_eagle3_weights: the target's
+Without `--head`, two random heads of the target's shapes, float32 and int8
+(`--draft-head-quant int8`), (tiny_eagle3_weights: the target's
 hidden size, heads and KV heads, Llama's MLP ratio, a draft vocabulary of `--draft-vocab` target ids, no embedding
-of its own) is written to a temporary directory; the timings depend on shapes only. Prints the
-medians and their ratio to the target step, and the head directory's size.
+of its own) are written to a temporary directory; the timings depend on shapes only. Prints the
+medians and their ratio to the target step, and the head directories' sizes.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from pathlib import Path
 import numpy as np
 
 
-def random_head(model_dir: Path, out: Path, *, draft_vocab: int) -> Path:
+def random_head(model_dir: Path, out: Path, *, draft_vocab: int,
+                quant: str | None = None) -> Path:
     """A random EAGLE-3 head of the target's shapes in `out` (drafts/eagle3 layout)."""
     from ortspec.export.eagle3 import Eagle3Target, read_eagle3_head
     from ortspec.export.eagle3_export import write_head_files
@@ -50,9 +52,11 @@ def random_head(model_dir: Path, out: Path, *, draft_vocab: int) -> Path:
     target = Eagle3Target(a.hidden_size, a.vocab_size, a.num_layers)
     head = read_eagle3_head(src, target=target)
     table = np.random.default_rng(0).standard_normal((a.vocab_size, a.hidden_size))
-    write_head_files(out / "head", head, target=target, capacity=m.capacity,
-                     target_embed=table.astype(np.float32), source={"kind": "random"})
-    return out / "head"
+    dest = out / f"head-{quant or 'fp32'}"
+    write_head_files(dest, head, target=target, capacity=m.capacity,
+                     target_embed=table.astype(np.float32), source={"kind": "random"},
+                     quant=quant)
+    return dest
 
 
 def bench(model_dir: Path, head_dir: Path | None, *, context: int, rounds: int, threads: int,
@@ -61,37 +65,27 @@ def bench(model_dir: Path, head_dir: Path | None, *, context: int, rounds: int, 
     from ortspec.runtime.ort.head import open_draft_head
 
     with tempfile.TemporaryDirectory() as tmp:
-        if head_dir is None:
-            head_dir = random_head(model_dir, Path(tmp), draft_vocab=draft_vocab)
-        size = sum(p.stat().st_size for p in head_dir.iterdir() if p.is_file())
+        heads = {"": head_dir} if head_dir is not None else {
+            f" {q or 'fp32'}": random_head(model_dir, Path(tmp), draft_vocab=draft_vocab, quant=q)
+            for q in (None, "int8")}
         target = OrtDecoder(model_dir, threads=threads)
-        head = open_draft_head(head_dir, threads=threads)
         rng = np.random.default_rng(0)
         ids = rng.integers(0, target.vocab_size, context)
         target.prefill(ids)
-        head.forward(ids, rng.standard_normal((context, head.aux_width)).astype(np.float32),
-                     from_target=True)
-        aux = rng.standard_normal((4, head.aux_width)).astype(np.float32)
-        own = rng.standard_normal((1, head.hidden_size)).astype(np.float32)
 
         def target_step():
             target.forward_token(7)
             target.truncate(context)
 
-        def head_step():
-            head.forward([7], own, from_target=False)
-            head.truncate(context)
-
-        def head_first():
-            head.forward([7], aux[:1], from_target=True)
-            head.truncate(context)
-
-        def head_four():
-            head.forward([7, 8, 9, 10], aux, from_target=True)
-            head.truncate(context)
-
-        cases = {"target step": target_step, "head step (own hidden)": head_step,
-                 "head first step (fc + layer)": head_first, "head x4 from target": head_four}
+        cases = {"target step": target_step}
+        sizes = []
+        for label, directory in heads.items():
+            head = open_draft_head(directory, threads=threads)
+            sizes.append(f"{label.strip() or directory.name} "
+                         f"{sum(p.stat().st_size for p in directory.iterdir()) / 2 ** 20:.1f} MiB")
+            head.forward(ids, rng.standard_normal((context, head.aux_width)).astype(np.float32),
+                         from_target=True)
+            cases.update(head_cases(head, label, context, rng))
         for fn in cases.values():  # warm up
             for _ in range(3):
                 fn()
@@ -106,12 +100,32 @@ def bench(model_dir: Path, head_dir: Path | None, *, context: int, rounds: int, 
                 times[name].append((time.perf_counter() - t0) / 10)
         base = statistics.median(times["target step"])
         print(f"\n{model_dir.name}: context {context}, {threads} threads, head "
-              f"Vd={head.draft_vocab_size}, H={head.hidden_size}; head dir "
-              f"{size / 2 ** 20:.1f} MiB")
+              f"Vd={head.draft_vocab_size}, H={head.hidden_size}; head dirs {', '.join(sizes)}")
         print(f"{'case':32s} {'median ms':>10s} {'vs target step':>15s}")
         for name in names:
             t = statistics.median(times[name])
             print(f"{name:32s} {t * 1e3:10.3f} {t / base:15.3f}")
+
+
+def head_cases(head, label: str, context: int, rng) -> dict:
+    """The timed calls of one head, each rolled back to `context` entries."""
+    aux = rng.standard_normal((4, head.aux_width)).astype(np.float32)
+    own = rng.standard_normal((1, head.hidden_size)).astype(np.float32)
+
+    def step():
+        head.forward([7], own, from_target=False)
+        head.truncate(context)
+
+    def first():
+        head.forward([7], aux[:1], from_target=True)
+        head.truncate(context)
+
+    def four():
+        head.forward([7, 8, 9, 10], aux, from_target=True)
+        head.truncate(context)
+
+    return {f"head{label} step (own hidden)": step, f"head{label} first step (fc)": first,
+            f"head{label} x4 from target": four}
 
 
 def main(argv: list[str] | None = None) -> int:
