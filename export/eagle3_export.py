@@ -38,7 +38,7 @@ from ortspec.runtime.ort import manifest as mf
 
 from .drafts import DRAFTS_DIR
 from .eagle3 import Eagle3Head, Eagle3Target, check_fits, read_eagle3_head
-from .eagle3_graph import build_head_graphs, check_buildable
+from .eagle3_graph import FC_GRAPH, HEAD_GRAPH, build_head_graphs, check_buildable
 from .errors import ExportOptionError
 from .graph_spec import HEAD_QUANTS, WeightQuant
 from .quantize import quantize_blockwise
@@ -140,7 +140,7 @@ def write_head_files(dest: Path, head: Eagle3Head, *, target: Eagle3Target, capa
         layer_ids=head.layers_for(target.num_layers), vocab_size=target.vocab_size,
         draft_vocab_size=head.draft_vocab_size, num_heads=head.num_heads,
         num_kv_heads=head.num_kv_heads, head_dim=head.head_dim, capacity=capacity,
-        graphs={"fc": "fc.onnx", "head": "head.onnx"}, target_ids=hc.TARGET_IDS_FILE,
+        graphs={"fc": FC_GRAPH, "head": HEAD_GRAPH}, target_ids=hc.TARGET_IDS_FILE,
         files={n: mf.sha256_file(dest / n) for n in names},
         extra={"revision": HEAD_REVISION, "source": source,
                "source_format": head.source_format, "own_embedding": head.has_own_embedding,

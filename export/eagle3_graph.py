@@ -40,6 +40,7 @@ from onnx import TensorProto, helper
 
 from ortspec.runtime.errors import ExportError
 from ortspec.runtime.ort import graph_io as gio
+from ortspec.runtime.ort.head_config import AUX, HIDDEN, HIDDEN_OUT  # beside graph_io's names
 
 from .attention import FLAVOURS
 from .builder import GraphBuilder
@@ -50,7 +51,6 @@ from .onnx_writer import ExternalDataWriter
 
 FC_GRAPH, FC_DATA = "fc.onnx", "fc.onnx.data"
 HEAD_GRAPH, HEAD_DATA = "head.onnx", "head.onnx.data"
-AUX, HIDDEN, HIDDEN_OUT = "aux", "hidden", "hidden_out"  # graph I/O beside graph_io's names
 OPSET = 21
 
 
@@ -166,7 +166,7 @@ def _build_head(head: Eagle3Head, directory: Path, *, capacity: int, table: np.n
         rows = g.const("shape_rows_hidden", np.array([-1, h_size], np.int64))
         g.op("Reshape", [prenorm, rows], name="hidden_out", outputs=[HIDDEN_OUT])  # [S, H]
         normed = g.op1("Reshape", [normed, rows])  # [S, H]
-        if quant is None:
+        if quant is None or h_size % quant.block_size:  # (as builder.linear leaves them)
             logits = g.op1("MatMul", [normed, b.weight("lm_head", transpose=True)])  # [S, Vd]
         else:
             logits = b.matmul_nbits(normed, b.add_quantized(

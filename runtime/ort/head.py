@@ -39,6 +39,26 @@ from .providers import CPU, choose_providers
 from .sessions import _session, session_options
 
 
+class HeadSessions:
+    """The read-only half of a draft head: its checked head.json, target ids and the two
+    sessions, shared by every `OrtDraftHead.on(sessions)` (onnxruntime runs one session from
+    several threads, each with its own IOBinding)."""
+
+    def __init__(self, head_dir: str | os.PathLike, *, providers: Any = None,
+                 threads: int | None = None):
+        self.head_dir = Path(head_dir)
+        if threads is not None:
+            check_int("threads", threads, minimum=0, what=" (0 = onnxruntime's default)")
+        self.config: HeadConfig = read_head_config(self.head_dir)
+        self.target_ids: np.ndarray = read_target_ids(self.head_dir, self.config)  # [Vd]
+        self.providers = _cpu_providers(providers)
+        # no spinning: the head's sessions share the cores with the target's
+        self.fc, self.head = (
+            _session(str(self.head_dir / self.config.graphs[role]),
+                     session_options(threads=threads, allow_spinning=False), self.providers)
+            for role in ("fc", "head"))
+
+
 class OrtDraftHead:
     """One draft head's state (KV buffers, bindings, length) over its two sessions.
 
@@ -46,27 +66,35 @@ class OrtDraftHead:
     hidden_size: H, the width of `hidden_out` and of a `from_target=False` input;
     aux_width: K * target_hidden, the width of a `from_target=True` input; layer_ids: the
     target layers those K states come from. `ort_seconds` / `ort_calls` count the time inside
-    onnxruntime and the session runs."""
+    onnxruntime and the session runs.
+
+    `OrtDraftHead(head_dir, ...)` opens sessions of its own; `OrtDraftHead.on(head.sessions)`
+    makes another head (its own KV, length 0) over sessions already open: one per request."""
 
     def __init__(self, head_dir: str | os.PathLike, *, providers: Any = None,
-                 threads: int | None = None, config: HeadConfig | None = None):
-        self.head_dir = Path(head_dir)
-        if threads is not None:
-            check_int("threads", threads, minimum=0, what=" (0 = onnxruntime's default)")
-        c = self.config = config if config is not None else read_head_config(self.head_dir)
-        self.target_ids: np.ndarray = read_target_ids(self.head_dir, c)  # [Vd] int64
+                 threads: int | None = None):
+        self._init(HeadSessions(head_dir, providers=providers, threads=threads))
+
+    @classmethod
+    def on(cls, sessions: HeadSessions) -> "OrtDraftHead":
+        """A head with KV buffers of its own over `sessions` (shared, read-only)."""
+        self = cls.__new__(cls)
+        self._init(sessions)
+        return self
+
+    def _init(self, sessions: HeadSessions) -> None:
+        self.sessions = sessions
+        self.head_dir = sessions.head_dir
+        c = self.config = sessions.config
+        self.target_ids: np.ndarray = sessions.target_ids  # [Vd] int64
         self.draft_vocab_size: int = c.draft_vocab_size
         self.vocab_size: int = c.vocab_size
         self.capacity: int = c.capacity
         self.hidden_size: int = c.hidden_size
         self.aux_width: int = c.aux_width
         self.layer_ids: tuple[int, ...] = c.layer_ids
-        self.providers = _cpu_providers(providers)
-        # no spinning: the head's sessions share the cores with the target's
-        self._fc, self._head = (
-            _session(str(self.head_dir / c.graphs[role]),
-                     session_options(threads=threads, allow_spinning=False), self.providers)
-            for role in ("fc", "head"))
+        self.providers = sessions.providers
+        self._fc, self._head = sessions.fc, sessions.head
         self._length = 0
         self._busy = threading.Lock()
         self.ort_seconds = 0.0

@@ -161,16 +161,34 @@ def parse_head_config(data: Any, *, where: str = HEAD_FILE) -> HeadConfig:
 def read_target_ids(directory: str | os.PathLike, config: HeadConfig) -> np.ndarray:
     """target_ids.npy: [draft_vocab_size] int64, distinct ids inside the target vocabulary."""
     path = safe_member(Path(directory), config.target_ids, what=f"{HEAD_FILE} target_ids")
-    try:
-        ids = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise ManifestError(f"{config.target_ids!r}: not a NumPy array file ({e})") from None
-    if ids.shape != (config.draft_vocab_size,) or ids.dtype != np.int64:
+    ids = _read_npy_int64(path, config.target_ids)
+    if ids.shape != (config.draft_vocab_size,):
         raise ManifestError(f"{config.target_ids!r}: expected int64 [{config.draft_vocab_size}], "
                             f"got {ids.dtype} {list(ids.shape)}")
     if ids.min() < 0 or ids.max() >= config.vocab_size or np.unique(ids).size != ids.size:
         raise ManifestError(f"{config.target_ids!r}: target ids must be distinct and inside "
                             f"0..{config.vocab_size - 1}")
+    return ids
+
+
+def _read_npy_int64(path: Path, name: str) -> np.ndarray:
+    """A 1-D little-endian int64 .npy file, its header parsed by numpy.lib.format (never
+    np.load: nothing in a model directory is unpickled)."""
+    from numpy.lib import format as npy
+
+    try:
+        with open(path, "rb") as f:
+            version = npy.read_magic(f)
+            read_header = npy.read_array_header_1_0 if version == (1, 0) else \
+                npy.read_array_header_2_0
+            shape, fortran, dtype = read_header(f)
+            if dtype != np.dtype("<i8") or len(shape) != 1 or fortran:
+                raise ValueError(f"{dtype} {list(shape)}, not a 1-D int64 array")
+            ids = np.fromfile(f, dtype=dtype, count=shape[0])
+    except (OSError, ValueError) as e:
+        raise ManifestError(f"{name!r}: not a 1-D int64 NumPy array file ({e})") from None
+    if ids.size != shape[0]:
+        raise ManifestError(f"{name!r}: truncated ({ids.size} of {shape[0]} ids)")
     return ids
 
 

@@ -153,3 +153,32 @@ def test_the_returned_hidden_view_can_be_fed_straight_back(head_dir):
         lb, hb = b.forward([token], hb[-1:].copy(), from_target=False)
         np.testing.assert_array_equal(la, lb)
         np.testing.assert_array_equal(ha, hb)
+
+
+def test_heads_on_shared_sessions_keep_their_own_caches(head):
+    other = OrtDraftHead.on(head.sessions)
+    assert other.sessions is head.sessions and other.length == 0
+    aux = _aux(6, seed=5)
+    first = head.forward(TOKENS, aux, from_target=True)[0][-1].copy()
+    other.forward(TOKENS[:2], aux[:2], from_target=True)  # its own KV: the first head's unmoved
+    head.truncate(5)
+    np.testing.assert_allclose(head.forward(TOKENS[5:], aux[5:], from_target=True)[0][0], first,
+                               atol=ATOL, rtol=0)
+    assert (head.length, other.length) == (6, 2)
+
+
+def test_target_ids_must_be_an_int64_vector(tmp_path):
+    import hashlib
+
+    d = write_head_dir(tmp_path / "h", capacity=CAP)
+    config = json.loads((d / hc.HEAD_FILE).read_text())
+    for bad, message in ((np.arange(VD, dtype=np.int32), "not a 1-D int64"),
+                         (np.zeros((VD, 1), np.int64), "not a 1-D int64"),
+                         (np.zeros(VD, np.int64), "distinct"),
+                         (np.arange(VD - 1, dtype=np.int64), r"expected int64 \[40\]")):
+        np.save(d / hc.TARGET_IDS_FILE, bad)
+        digest = hashlib.sha256((d / hc.TARGET_IDS_FILE).read_bytes()).hexdigest()
+        files = {**config["files"], hc.TARGET_IDS_FILE: digest}
+        (d / hc.HEAD_FILE).write_text(json.dumps({**config, "files": files}))
+        with pytest.raises(ManifestError, match=message):
+            open_draft_head(d)
