@@ -6,7 +6,9 @@ before it is listed in the target manifest's `draft_head`.
 Validation runs the written directory through the runtime's own `OrtDraftHead`, against the
 reference forward on the same inputs, entry by entry:
 
-- a first call of several entries from target hidden states (fc, then the layer);
+- a first call of several entries from the target's hidden states (its exported graph run on a
+  random prompt, entry j pairing token j + 1 with the states after token j; fc, then the
+  layer);
 - single-entry steps fed by the head's own hidden output, each drafting the reference's
   argmax (mapped to a target id) as the next token, as a chain draft does;
 - a truncate back to the first call and the same steps re-fed in one call.
@@ -114,12 +116,13 @@ def dequantized_head(head: Eagle3Head, quant: WeightQuant | None) -> Eagle3Head:
 
 def write_draft_head(dest: Path, head: Eagle3Head, *, target: Eagle3Target, capacity: int,
                      target_embed: np.ndarray | None, source: dict[str, Any],
-                     quant: str | None = None) -> hc.HeadConfig:
+                     quant: str | None = None, target_dir: Path | None = None) -> hc.HeadConfig:
     """Build, validate and describe the head in the (empty) directory `dest` (quant: a
-    HEAD_QUANTS name, or None for float32)."""
+    HEAD_QUANTS name, or None for float32; target_dir: validate_head's)."""
     config = write_head_files(dest, head, target=target, capacity=capacity,
                               target_embed=target_embed, source=source, quant=quant)
-    report = validate_head(dest, head, target_embed=target_embed, quant=quant)
+    report = validate_head(dest, head, target_embed=target_embed, quant=quant,
+                           target_dir=target_dir)
     config = dataclasses.replace(config, extra={**config.extra, "validation": report})
     config.write(dest)
     return config
@@ -152,13 +155,16 @@ def write_head_files(dest: Path, head: Eagle3Head, *, target: Eagle3Target, capa
 
 
 def validate_head(head_dir: Path, head: Eagle3Head, *, target_embed: np.ndarray | None,
-                  quant: str | None = None, seed: int = 0) -> dict[str, Any]:
+                  quant: str | None = None, target_dir: Path | None = None,
+                  seed: int = 0) -> dict[str, Any]:
     """Compare the exported head with the PyTorch reference (see the module docstring);
     ExportError at the first entry beyond HEAD_TOLERANCE (a quantized head: against the
     reference on its dequantized weights, within HEAD_QUANT_TOLERANCE). Returns the largest
-    deviations."""
+    deviations. target_dir: the export whose graph returns the head's hidden states, which
+    then feed the first call (else random states)."""
     import torch
 
+    from ortspec.runtime.ort.decoder import OrtDecoder
     from ortspec.runtime.ort.head import open_draft_head
 
     from .eagle3_reference import embed, head_forward, project_aux
@@ -167,8 +173,14 @@ def validate_head(head_dir: Path, head: Eagle3Head, *, target_embed: np.ndarray 
     head = dequantized_head(head, check_head_quant(quant))
     tolerance = HEAD_TOLERANCE if quant is None else HEAD_QUANT_TOLERANCE
     rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, ort_head.vocab_size, FIRST_ROWS)  # [n] target ids
-    aux = rng.normal(size=(FIRST_ROWS, head.fc.shape[1])).astype(np.float32)  # [n, K * Ht]
+    if target_dir is None:  # random states of unit scale
+        tokens = rng.integers(0, ort_head.vocab_size, FIRST_ROWS)  # [n] target ids
+        aux = rng.normal(size=(FIRST_ROWS, head.fc.shape[1])).astype(np.float32)  # [n, K * Ht]
+    else:  # the target's own: entry j pairs token j + 1 with the states after token j
+        prompt = rng.integers(0, ort_head.vocab_size, FIRST_ROWS + 1)
+        target = OrtDecoder(target_dir, providers=["CPUExecutionProvider"], threads=1)
+        target.forward_batch(prompt)
+        tokens, aux = prompt[1:], target.last_hidden_states()[:-1]  # [n], [n, K * Ht]
     worst = {"logits": 0.0, "hidden": 0.0}
 
     def compare(what: str, first: int, logits: np.ndarray, hidden: np.ndarray, ref) -> None:
@@ -206,7 +218,10 @@ def validate_head(head_dir: Path, head: Eagle3Head, *, target_embed: np.ndarray 
     refed = dataclasses.replace(steps[0][2], logits=torch.cat([r.logits for *_, r in steps]),
                                 hidden=torch.cat([r.hidden for *_, r in steps]))
     compare("the steps re-fed in one call after truncate", FIRST_ROWS, logits, hidden, refed)
-    return {"entries": FIRST_ROWS + 2 * OWN_STEPS, "max_logit_deviation": worst["logits"],
+    return {"entries": FIRST_ROWS + 2 * OWN_STEPS,
+            "first_call_from": "random states" if target_dir is None else
+            "the target's hidden states",
+            "max_logit_deviation": worst["logits"],
             "max_hidden_deviation": worst["hidden"],
             "tolerance": dataclasses.asdict(tolerance)}
 
@@ -221,7 +236,8 @@ def export_head_into(target_dir: Path, head: Eagle3Head, *, target: Eagle3Target
     tmp = Path(tempfile.mkdtemp(prefix=f".{HEAD_NAME}.tmp-", dir=dest.parent))
     try:
         write_draft_head(tmp, head, target=target, capacity=capacity,
-                         target_embed=target_embed, source=source, quant=quant)
+                         target_embed=target_embed, source=source, quant=quant,
+                         target_dir=target_dir)
         os.chmod(tmp, 0o755)
         if dest.exists():
             old = dest.with_name(f".{HEAD_NAME}.old-{os.getpid()}")
