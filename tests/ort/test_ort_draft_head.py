@@ -182,3 +182,20 @@ def test_target_ids_must_be_an_int64_vector(tmp_path):
         (d / hc.HEAD_FILE).write_text(json.dumps({**config, "files": files}))
         with pytest.raises(ManifestError, match=message):
             open_draft_head(d)
+
+
+def test_it_has_every_member_the_protocol_declares(head):
+    import inspect
+
+    from ortspec.runtime.decoding.protocols import DraftHead
+
+    declared = {n for n in vars(DraftHead) if not n.startswith("_")} | \
+        set(DraftHead.__annotations__)
+    assert declared >= {"draft_vocab_size", "target_ids", "capacity", "length", "reset",
+                        "truncate", "forward"}
+    for name in declared:
+        assert hasattr(head, name), name
+    mine = inspect.signature(OrtDraftHead.forward).parameters
+    theirs = inspect.signature(DraftHead.forward).parameters
+    assert list(mine) == list(theirs)
+    assert mine["from_target"].kind is inspect.Parameter.KEYWORD_ONLY
