@@ -45,6 +45,7 @@ from .errors import ExportOptionError
 from .graph_spec import ATTENTIONS, DEFAULT_OPSET, LM_HEADS, MAX_OPSET, MIN_OPSET, \
     QUANT_SCHEMES, QUANTS, GraphOptions, WeightQuant, weight_quant
 from .graphs import build_decoder
+from .hidden_states import QUANT_TOLERANCES as HIDDEN_QUANT_TOLERANCES
 from .hidden_states import HiddenStatesOption, check_hidden_states_option, resolve_layers
 from .row_probe import PROBE_FILE, write_row_probe
 from .sources import DEFAULT_RECIPE, Source, identify_source, materialize, recorded_source, \
@@ -244,7 +245,7 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
     manifest lists the ids (`hidden_state_layers`); see hidden_states.py for the convention.
     float32 gqa or window graphs (quant too). None (the default): the graph is
     unchanged. With quant the states are the quantized graph's, validated against PyTorch on
-    the dequantized weights under the quantized logits' bounds.
+    the dequantized weights (hidden_states.QUANT_TOLERANCES).
 
     draft_head: an EAGLE-3 head checkpoint directory (speculators or EAGLE/SpecForge format,
     eagle3.py): the target returns the hidden states the head reads (hidden_states is implied;
@@ -441,10 +442,10 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
     hidden_report = None
     if manifest.hidden_state_layers is not None and quant is None:
         hidden_report = validate_hidden_states(tmp, manifest, ckpt)
-    elif manifest.hidden_state_layers is not None:  # as the logits: the weights it multiplies by
+    elif manifest.hidden_state_layers is not None:  # against the weights it multiplies by
         hidden_report = validate_hidden_states(
             tmp, manifest, ckpt, reference_weights=dequantized_weights(ckpt, ckpt.spec, options),
-            tolerances=dataclasses.replace(QUANT_TOLERANCES, step_vs_verify=Bound(0.0, 0.0)))
+            tolerances=HIDDEN_QUANT_TOLERANCES)
     bar.update()
 
     stage("checksums")
