@@ -40,7 +40,8 @@ from ortspec.runtime.ort import manifest as mf
 
 from .drafts import DRAFTS_DIR
 from .eagle3 import Eagle3Head, Eagle3Target, check_fits, read_eagle3_head
-from .eagle3_graph import FC_GRAPH, HEAD_GRAPH, build_head_graphs, check_buildable
+from .eagle3_graph import FC_GRAPH, HEAD_GRAPH, build_head_graphs, check_buildable, \
+    embeds_quantized
 from .errors import ExportOptionError
 from .graph_spec import HEAD_QUANTS, WeightQuant
 from .quantize import quantize_blockwise
@@ -111,7 +112,18 @@ def dequantized_head(head: Eagle3Head, quant: WeightQuant | None) -> Eagle3Head:
 
     weights = {f: back(getattr(head, f), quant.bits, quant.scheme) for f in LINEAR_FIELDS}
     weights["lm_head"] = back(head.lm_head, quant.lm_head_bits, quant.lm_head_scheme)
+    if head.embed is not None:
+        weights["embed"] = dequantized_embedding(head.embed, quant)
     return dataclasses.replace(head, **weights)
+
+
+def dequantized_embedding(table: np.ndarray | None, quant: WeightQuant | None) -> \
+        np.ndarray | None:
+    """The embedding rows a `quant` head gathers (eagle3_graph's 8-bit table), or `table`."""
+    if table is None or not embeds_quantized(quant, table.shape[1]):
+        return table
+    return quantize_blockwise(table, bits=8, block_size=quant.block_size,
+                              scheme="symmetric").dequantize()
 
 
 def write_draft_head(dest: Path, head: Eagle3Head, *, target: Eagle3Target, capacity: int,
@@ -171,6 +183,7 @@ def validate_head(head_dir: Path, head: Eagle3Head, *, target_embed: np.ndarray 
 
     ort_head = open_draft_head(head_dir, threads=1)
     head = dequantized_head(head, check_head_quant(quant))
+    target_embed = dequantized_embedding(target_embed, check_head_quant(quant))
     tolerance = HEAD_TOLERANCE if quant is None else HEAD_QUANT_TOLERANCE
     rng = np.random.default_rng(seed)
     if target_dir is None:  # random states of unit scale

@@ -48,6 +48,7 @@ from .eagle3 import Eagle3Head
 from .graph_spec import MS, DecoderSpec, GraphOptions, WeightQuant
 from .graphs import mlp_activation
 from .onnx_writer import ExternalDataWriter
+from .quantize import quantize_blockwise
 
 FC_GRAPH, FC_DATA = "fc.onnx", "fc.onnx.data"
 HEAD_GRAPH, HEAD_DATA = "head.onnx", "head.onnx.data"
@@ -101,7 +102,8 @@ def build_head_graphs(head: Eagle3Head, directory: Path, *, capacity: int,
 
     embed: the target's embedding table [vocab, H] float32, for a head without its own
     (required then; ignored otherwise). quant: the linear weights and the LM head as
-    MatMulNBits (graph_spec.HEAD_QUANTS; the embedding stays float); None: float32 throughout."""
+    MatMulNBits and the embedding as 8-bit GatherBlockQuantized (graph_spec.HEAD_QUANTS);
+    None: float32 throughout."""
     check_buildable(head)
     table = head.embed if head.embed is not None else embed
     if table is None:
@@ -150,7 +152,7 @@ def _build_head(head: Eagle3Head, directory: Path, *, capacity: int, table: np.n
         b.add_tensor("rope_cos", cos)
         b.add_tensor("rope_sin", sin)
         context = flavour.preamble(b)
-        e, _ = b.norm(b.embedding(gio.INPUT_IDS), None, "input_norm")  # [1, S, H]
+        e, _ = b.norm(_embedding(b, table, quant), None, "input_norm")  # [1, S, H]
         hidden = g.op1("Unsqueeze", [HIDDEN, g.const("axes_0", np.array([0], np.int64))])
         h, _ = b.norm(hidden, None, "hidden_norm")  # [1, S, H]
         residual = h if head.norm_before_residual else hidden
@@ -191,6 +193,25 @@ def _build_head(head: Eagle3Head, directory: Path, *, capacity: int, table: np.n
         outputs.append(helper.make_tensor_value_info(present, TensorProto.FLOAT, kv_shape))
     _save(b, inputs, outputs, directory / HEAD_GRAPH, "ortspec_eagle3_head")
     return weight_bytes
+
+
+def embeds_quantized(quant: WeightQuant | None, hidden_size: int) -> bool:
+    """Whether a `quant` head stores its embedding table at 8 bits (GatherBlockQuantized)."""
+    return quant is not None and hidden_size % quant.block_size == 0
+
+
+def _embedding(b: GraphBuilder, table: np.ndarray, quant: WeightQuant | None) -> str:
+    """input_ids [1, S] -> [1, S, H]: a Gather from the float table, or with `quant` a
+    GatherBlockQuantized from its 8-bit symmetric blocks (uint8 levels [vocab, H] with the
+    default zero point 128, scales [vocab, H / block]), the rows dequantized as gathered."""
+    if not embeds_quantized(quant, table.shape[1]):
+        return b.embedding(gio.INPUT_IDS)
+    vocab, hidden = table.shape
+    qw = quantize_blockwise(table, bits=8, block_size=quant.block_size, scheme="symmetric")
+    data = b.add_raw("embed.q", qw.packed.reshape(vocab, hidden))
+    scales = b.add_tensor("embed.scales", qw.scales.reshape(vocab, hidden // quant.block_size))
+    return b.g.op1("GatherBlockQuantized", [data, gio.INPUT_IDS, scales], domain=MS, bits=8,
+                   block_size=quant.block_size, gather_axis=0, quantize_axis=1)
 
 
 def _save(b: GraphBuilder, inputs, outputs, path: Path, name: str) -> None:

@@ -222,11 +222,14 @@ def test_the_command_line(tmp_path, src, capsys):
     assert capsys.readouterr().out.split() == [str(out / HEAD_DIR)]
 
 
-def test_an_int8_head_matches_its_dequantized_reference(tmp_path, src, target_embed):
-    from ortspec.export.eagle3_export import HEAD_QUANT_TOLERANCE, dequantized_head
+@pytest.mark.parametrize("own_embedding", [False, True])
+def test_an_int8_head_matches_its_dequantized_reference(tmp_path, src, target_embed,
+                                                        own_embedding):
+    from ortspec.export.eagle3_export import (HEAD_QUANT_TOLERANCE, dequantized_embedding,
+                                              dequantized_head)
     from ortspec.export.graph_spec import HEAD_QUANTS
 
-    head_src = _head(tmp_path, EAGLE, draft_vocab=DRAFT_VOCAB)
+    head_src = _head(tmp_path, EAGLE, draft_vocab=DRAFT_VOCAB, own_embedding=own_embedding)
     out = export_model(src, out=tmp_path / "out", capacity=CAP, max_verify_len=VERIFY,
                        progress=False, draft_head=head_src, draft_head_quant="int8")
     config = hc.read_head_config(out / HEAD_DIR)
@@ -235,13 +238,15 @@ def test_an_int8_head_matches_its_dequantized_reference(tmp_path, src, target_em
     head = read_eagle3_head(head_src)
     reference = dequantized_head(head, HEAD_QUANTS["int8"])
     assert not np.array_equal(reference.lm_head, head.lm_head)  # it was rounded
+    table = dequantized_embedding(target_embed, HEAD_QUANTS["int8"])  # the 8-bit table's rows
+    assert not np.array_equal(table, target_embed)
     ort_head = open_draft_head(out / HEAD_DIR)
     aux = np.random.default_rng(5).standard_normal((6, 3 * HIDDEN)).astype(np.float32)
     tokens = PROMPT[:6]
     logits, _ = ort_head.forward(tokens, aux, from_target=True)
     with torch.no_grad():
         want = head_forward(reference, project_aux(reference, aux),
-                            embed(reference, tokens, target_embed), np.arange(6)).logits.numpy()
+                            embed(reference, tokens, table), np.arange(6)).logits.numpy()
     bound = HEAD_QUANT_TOLERANCE.at(float(np.abs(want).max()))
     assert np.abs(logits - want).max() <= bound
     # the int8 rounding of the activations is the gap: well under the bound's share
