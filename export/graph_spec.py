@@ -146,9 +146,10 @@ QUANTS = {"int4": WeightQuant(bits=4, block_size=32, scheme="block-min", accurac
                               lm_head_bits=8, lm_head_scheme="symmetric")}
 # an EAGLE-3 head's presets (--draft-head-quant, eagle3_graph.py): "int8", every linear weight and
 # the LM head in 8-bit symmetric blocks of 32 (MatMulNBits, int8 activations), the embedding
-# float. A head of SmolLM2-135M's shapes with a 32,000-id draft vocabulary: 0.51x the float32
-# head's step time (2 threads), its softmax 0.065 in total variation from the float one (random
-# weights, 200 positions)
+# table likewise (GatherBlockQuantized). A head of SmolLM2-135M's shapes with a 32,000-id draft
+# vocabulary: 0.39x the float32 head's step time (2 threads; scripts/bench_eagle3_head.py),
+# 57 MiB against 199; its softmax 0.065 in total variation from the float one (random weights,
+# 200 positions)
 HEAD_QUANTS = {"int8": WeightQuant(bits=8, block_size=32, scheme="symmetric", accuracy_level=4,
                                    lm_head_bits=8, lm_head_scheme="symmetric")}
 LM_HEADS = ("int8", "int4", "fp32")  # the LM head's (and a tied embedding's) precision
