@@ -36,7 +36,7 @@ from .graph_io import (ATTENTION_MASK, INPUT_IDS, LOGITS, past_key_name, past_va
                        present_key_name, present_value_name)
 from .head_config import AUX, HIDDEN, HIDDEN_OUT, HeadConfig, read_head_config, read_target_ids
 from .providers import CPU, choose_providers
-from .sessions import _session, session_options
+from .sessions import open_session, session_options
 
 
 class HeadSessions:
@@ -54,7 +54,7 @@ class HeadSessions:
         self.providers = _cpu_providers(providers)
         # no spinning: the head's sessions share the cores with the target's
         self.fc, self.head = (
-            _session(str(self.head_dir / self.config.graphs[role]),
+            open_session(str(self.head_dir / self.config.graphs[role]),
                      session_options(threads=threads, allow_spinning=False), self.providers)
             for role in ("fc", "head"))
 

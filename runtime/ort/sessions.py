@@ -161,7 +161,7 @@ class OrtSessions:
                         so.intra_op_num_threads = threads
                     if not spinning:
                         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-                by_graph[graph] = _session(str(self.model_dir / graph), so, self.provider_config)
+                by_graph[graph] = open_session(str(self.model_dir / graph), so, self.provider_config)
             by_entry[name] = by_graph[graph]
         return by_entry
 
@@ -182,7 +182,7 @@ class OrtSessions:
 @functools.lru_cache(maxsize=32)
 def _probe_verdict(path: str, threads: int | None, providers: tuple[str, ...]) -> bool:
     """row_invariance.lone_rows_exact on the probe at `path`, once a process per settings."""
-    probe = _session(path, session_options(threads=threads, allow_spinning=False),
+    probe = open_session(path, session_options(threads=threads, allow_spinning=False),
                      list(providers))
     return lone_rows_exact(probe)
 
@@ -190,7 +190,7 @@ def _probe_verdict(path: str, threads: int | None, providers: tuple[str, ...]) -
 _global_pools_seen = False  # set once a session creation showed the process has global pools
 
 
-def _session(path: str, so: ort.SessionOptions, providers: list) -> ort.InferenceSession:
+def open_session(path: str, so: ort.SessionOptions, providers: list) -> ort.InferenceSession:
     """An InferenceSession; a graph onnxruntime refuses is a ManifestError naming the file."""
     try:
         return _new_session(path, so, providers)
