@@ -254,8 +254,9 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
     draft_head (eagle3_export.py). A head that does not fit the target is refused before the
     export starts, naming the key. With draft_only, the head is added to the existing export
     `out` (`add_draft_head`), which must already return its hidden states. draft_head_quant:
-    "int8" stores the head's linear weights and LM head as 8-bit MatMulNBits (about half the
-    step time of the float32 head; validated against its dequantized weights); None: float32."""
+    "int8" stores the head's linear weights and LM head as 8-bit MatMulNBits and its embedding
+    as 8-bit GatherBlockQuantized (0.4x the float32 head's step time, 57 MiB against 199 for
+    SmolLM2-135M; validated against its dequantized weights); None: float32."""
     if opset is None and attention in ATTENTIONS:
         opset = DEFAULT_OPSET[attention]
     if not isinstance(draft_only, bool):

@@ -35,7 +35,6 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
-import onnx
 from onnx import TensorProto, helper
 
 from ortspec.runtime.errors import ExportError
