@@ -37,7 +37,7 @@ from ortspec.runtime.validation import check_int
 from . import chat
 from .drafts import DRAFT_OF, DRAFT_REVISION, DRAFTS_DIR, QUANT_TOLERANCES, DraftOptionError, \
     DraftOptions, build_draft, check_draft_layers, dequantized_weights, draft_options, \
-    register_draft, with_draft_listed
+    read_target_manifest, register_draft, with_draft_listed
 from .eagle3 import Eagle3Head, Eagle3Target, check_fits
 from .eagle3_export import HEAD_DIR, add_draft_head, check_head_quant, export_head_into, \
     head_source, hf_target, read_head_for
@@ -507,13 +507,7 @@ def add_draft(target: str | os.PathLike, source: str | os.PathLike | None = None
     if options is None:
         raise DraftOptionError("add_draft needs quant and/or layers")
     target_dir = Path(target).expanduser().absolute()
-    try:
-        manifest = mf.read_manifest(target_dir)
-    except ManifestError as e:
-        raise ExportError(f"cannot add a draft to {target_dir}: {e}") from None
-    if manifest.draft_of is not None:
-        raise ExportError(f"{target_dir} is itself a draft (draft_of {manifest.draft_of!r}); "
-                          f"give its target directory")
+    manifest = read_target_manifest(target_dir, adding="a draft")
     attention = _flavour_of(manifest)
     if attention is None:
         raise ExportError(f"{target_dir}: the manifest does not say which attention flavour "

@@ -47,7 +47,7 @@ import numpy as np
 
 from ortspec.runtime.ort import manifest as mf
 from ortspec.runtime.check.tolerances import TOLERANCES, Bound, Tolerances
-from ortspec.runtime.errors import ExportError
+from ortspec.runtime.errors import ExportError, ManifestError
 from ortspec.runtime.validation import check_int
 
 from .errors import ExportOptionError
@@ -263,12 +263,31 @@ def register_draft(target_dir: Path, relative: str, *, first: bool = False) -> N
     drafts = list_drafts(data)
     if relative in drafts and (not first or drafts[0] == relative):
         return
-    new = with_draft_listed(data, relative, first=first)
-    mf.parse_manifest(new)  # still a valid manifest
+    rewrite_manifest(target_dir, with_draft_listed(data, relative, first=first))
+
+
+def rewrite_manifest(target_dir: Path, data: dict) -> None:
+    """Replace target_dir's manifest with `data` (checked to be a valid manifest first)
+    atomically: a temp file renamed over it, keeping the file's mode."""
+    path = target_dir / mf.MANIFEST_FILE
+    mf.parse_manifest(data)  # still a valid manifest
     tmp = path.with_name(f".{mf.MANIFEST_FILE}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(new, indent=2) + "\n", encoding="utf-8")
+        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
         os.chmod(tmp, path.stat().st_mode & 0o777)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def read_target_manifest(target_dir: Path, *, adding: str) -> mf.Manifest:
+    """The manifest of the export target_dir that a draft or head is `adding` to: ExportError
+    when it cannot be read or is itself a draft."""
+    try:
+        manifest = mf.read_manifest(target_dir)
+    except ManifestError as e:
+        raise ExportError(f"cannot add {adding} to {target_dir}: {e}") from None
+    if manifest.draft_of is not None:
+        raise ExportError(f"{target_dir} is itself a draft (draft_of {manifest.draft_of!r}); "
+                          f"give its target directory")
+    return manifest

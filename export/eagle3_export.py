@@ -34,11 +34,11 @@ from typing import Any
 import numpy as np
 
 from ortspec.runtime.check.tolerances import Bound
-from ortspec.runtime.errors import ExportError, ManifestError
+from ortspec.runtime.errors import ExportError
 from ortspec.runtime.ort import head_config as hc
 from ortspec.runtime.ort import manifest as mf
 
-from .drafts import DRAFTS_DIR
+from .drafts import DRAFTS_DIR, read_target_manifest, rewrite_manifest
 from .eagle3 import Eagle3Head, Eagle3Target, check_fits, read_eagle3_head
 from .eagle3_graph import FC_GRAPH, HEAD_GRAPH, build_head_graphs, check_buildable, \
     embeds_quantized
@@ -286,13 +286,7 @@ def add_draft_head(model_dir: str | os.PathLike, head_path: str | os.PathLike, *
     name (the head's weights as MatMulNBits), or None for float32."""
     check_head_quant(quant)
     target_dir = Path(model_dir).expanduser().absolute()
-    try:
-        manifest = mf.read_manifest(target_dir)
-    except ManifestError as e:
-        raise ExportError(f"cannot add a draft head to {target_dir}: {e}") from None
-    if manifest.draft_of is not None:
-        raise ExportError(f"{target_dir} is itself a draft (draft_of {manifest.draft_of!r}); "
-                          f"give its target directory")
+    manifest = read_target_manifest(target_dir, adding="a draft head")
     target = target_of(manifest)
     head = read_head_for(head_path, target)
     layers = head.layers_for(target.num_layers)
@@ -316,17 +310,9 @@ def add_draft_head(model_dir: str | os.PathLike, head_path: str | os.PathLike, *
 
 def set_draft_head(target_dir: Path, relative: str) -> None:
     """Set target_dir's manifest draft_head atomically (the manifest is not in `files`)."""
-    path = target_dir / mf.MANIFEST_FILE
-    data = json.loads(path.read_text(encoding="utf-8"))
+    data = json.loads((target_dir / mf.MANIFEST_FILE).read_text(encoding="utf-8"))
     data["draft_head"] = relative
-    mf.parse_manifest(data)  # still a valid manifest
-    tmp = path.with_name(f".{mf.MANIFEST_FILE}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-        os.chmod(tmp, path.stat().st_mode & 0o777)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    rewrite_manifest(target_dir, data)
 
 
 def _target_embedding(manifest: mf.Manifest, target_dir: Path,
