@@ -354,7 +354,8 @@ class Model:
         if self.runner is not None and self._surface is not None:
             runner = self.runner
             return shared.for_batch_row(BatchCosts(self._surface, lambda: runner.active_rows,
-                                                   draft=self._draft_surface))
+                                                   draft=self._draft_surface,
+                                                   packs_tokens=runner.backend.packs_tokens))
         return shared.for_request()
 
     # -- requests -------------------------------------------------------------------------------

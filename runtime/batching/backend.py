@@ -40,6 +40,7 @@ class BatchBackend(Protocol):
     max_rows: int  # rows of the pool
     max_call: int  # most tokens a row may append in one call
     min_rows: int  # every call runs at least this many tokens in all (see call_width)
+    packs_tokens: bool  # a call computes its rows' real tokens only, not their padding
     ort_seconds: float  # time inside the model runtime
 
     def run(self, lo: int, hi: int, ids: np.ndarray, lengths: np.ndarray, *,
@@ -93,7 +94,7 @@ class OrtBatchBackend:
             raise ManifestError(f"{sessions.model_dir}: the graph has no `{LOGIT_ROWS}` input "
                                 f"(exported by an earlier ortspec); export it again for "
                                 f"batched decoding")
-        self._takes_token_rows = TOKEN_ROWS in {i.name for i in self._session.get_inputs()}
+        self.packs_tokens = TOKEN_ROWS in {i.name for i in self._session.get_inputs()}
         self._names = sessions.kv_names
         # [max_rows, kv_heads, capacity, head_dim] per layer and key/value, every page written
         # now: left to the first write, a fresh row faults in its pages in the middle of a call
@@ -131,7 +132,7 @@ class OrtBatchBackend:
         io.bind_cpu_input(ATTENTION_MASK, mask)
         rows = logit_rows_for(wanted, min_rows=self.min_rows)  # the graph computes these only
         io.bind_cpu_input(LOGIT_ROWS, rows)
-        if self._takes_token_rows:  # the MatMuls run on the real tokens only
+        if self.packs_tokens:  # the MatMuls run on the real tokens only
             computed = np.arange(n * s, dtype=np.int64) if real is None else \
                 np.asarray(real, np.int64)
             if real is not None and not np.isin(wanted, computed).all():
@@ -171,6 +172,7 @@ class ReferenceBatchBackend:
         self.max_rows = max_rows
         self.max_call = max_call
         self.min_rows = min_rows
+        self.packs_tokens = False  # computes every position, padding included
         self.ort_seconds = 0.0
         self.calls: list[tuple[int, int]] = []  # (rows, S) of each call, for tests
         self.real: list[np.ndarray | None] = []  # each call's `real` positions, for tests

@@ -206,10 +206,6 @@ class CostCorrection:
     def cost(self, n: int) -> float:
         return float(self.costs(n)[-1])
 
-    def others(self) -> float:
-        """A decoder of its own: its calls emit nothing for other requests."""
-        return 0.0
-
     def draft_step(self, solo: float) -> float:
         """A decoder of its own drafts on a draft of its own: `solo` as measured."""
         return solo
@@ -222,43 +218,50 @@ class CallCosts(Protocol):
 
     def observe(self, n_tokens: int, seconds: float) -> None: ...
 
-    def others(self) -> float: ...  # tokens the call emits for other requests (0: a call of its own)
-
     def draft_step(self, solo: float) -> float: ...  # a draft step's seconds (solo: its own call)
 
 
 class BatchCosts:
-    """The costs of a row of a batched model (`batching.rows.BatchRow`): the measured surface at the
-    number of rows decoding now, c(B, k + 1), the call in which this row appends k + 1 tokens
-    and the others one each (a graph that packs its tokens computes just those; one that does
-    not runs every row at S = k + 1). The call is shared, so the policy weighs the call's
-    tokens, its own E(k) plus at least one from each of the B - 1 others (`others`), against
-    c(B, k + 1). Nothing is learned from a row's timed calls: their wall time includes waiting
-    for the other rows."""
+    """The costs of a row of a batched model (`batching.rows.BatchRow`), from the measured
+    surface c(B, t) at the number of rows decoding now, B.
+
+    A row's block is priced as if every row drafted alike, since under load they all run the
+    same policy: the call then carries B blocks of k + 1 tokens. On a graph that computes the
+    real tokens only (`packs_tokens`) that is B * k + 1 more tokens than a call of one token a
+    row, as dear as c(B, B * k + 1), the surface's call in which one row appends B * k + 1
+    tokens and the others one each (past the grid, its last slope); on a graph that computes
+    every row at the widest block it is c(B, k + 1). A row's share is that call over B, and
+    the tokens it emits are its own E(k): pricing a row's drafts against the
+    tokens the other rows emit anyway, as if they did not draft, made speculation look free
+    under load and run slower than plain decoding at 8 rows. Nothing is learned from a row's
+    timed calls: their wall time includes waiting for the other rows."""
 
     def __init__(self, surface: CostSurface, rows: Callable[[], int], *,
-                 draft: CostSurface | None = None) -> None:
+                 draft: CostSurface | None = None, packs_tokens: bool = True) -> None:
         self.surface, self._rows, self.draft = surface, rows, draft
+        self.packs_tokens = packs_tokens
 
-    def costs(self, n_max: int) -> np.ndarray:  # [n_max]
-        return np.array(self.surface.curve(self._rows(), n_max).seconds)
+    def costs(self, n_max: int) -> np.ndarray:  # [n_max]: a row's share of the call, n = k + 1
+        b = self._rows()
+        n = np.arange(1, n_max + 1)
+        tokens = b * (n - 1) + 1 if self.packs_tokens else n
+        return np.array([self.surface.cost(b, int(t)) for t in tokens]) / b
 
     def observe(self, n_tokens: int, seconds: float) -> None:
         """Ignored (see the class docstring)."""
 
-    def others(self) -> float:
-        return float(self._rows() - 1)
-
     def draft_step(self, solo: float) -> float:
-        """A draft model that batches its rows' steps too (`draft`, its surface of one-token
-        calls) costs its call at the rows decoding now, d(B, 1): at 4 rows the int4 draft of
-        SmolLM2-135M takes 0.72x the fp32 target's call there, against 0.45x alone."""
-        return solo if self.draft is None else self.draft.cost(self._rows(), 1)
+        """A row's share of a drafted token's draft step: a draft model that batches its rows'
+        steps too (`draft`, its surface of one-token calls) runs one call d(B, 1) for the B
+        rows (at 4 rows the int4 draft of SmolLM2-135M takes 0.72x the fp32 target's call
+        there, against 0.45x alone); a draft of each row's own costs its step, `solo`."""
+        b = self._rows()
+        return solo if self.draft is None else self.draft.cost(b, 1) / b
 
 
 class AdaptiveDraftLength:
-    """The cost-model policy: k* = argmax (E(k) + others) / (c(k + 1) + k * c_draft), where
-    others is what the call emits for other requests (0 alone; `BatchCosts` in a batch). `rate`
+    """The cost-model policy: k* = argmax E(k) / (c(k + 1) + k * c_draft), with c the call's
+    cost (alone: the decoder's curve; in a batch, `BatchCosts`: the row's share). `rate`
     is that maximum, by which a composite drafter picks the drafter for a step.
 
     Serves one request at a time (the decode loop claims it); `for_request()` makes another
@@ -302,7 +305,7 @@ class AdaptiveDraftLength:
         return int(np.argmax(self._rates(a, per_draft)))
 
     def _rates(self, a: np.ndarray, per_draft: float) -> np.ndarray:  # [K + 1]: tokens / second
-        e = expected_tokens(a) + self.correction.others()  # the call's tokens, k = 0..K
+        e = expected_tokens(a)  # the row's tokens, k = 0..K
         costs = self.correction.costs(a.size + 1) + per_draft * np.arange(a.size + 1)  # k = 0..K
         return e / costs
 

@@ -30,7 +30,7 @@ from ortspec.runtime import (
 from ortspec.runtime.batching.backend import ReferenceBatchBackend
 from ortspec.runtime.batching.runner import BatchRunner
 from ortspec.runtime.draft_length.calibration import CostCurve, CostSurface
-from ortspec.runtime.draft_length.policy import AdaptiveDraftLength, BatchCosts
+from ortspec.runtime.draft_length.policy import AcceptanceModel, AdaptiveDraftLength, BatchCosts
 from ortspec.runtime.errors import NonFiniteLogitsError
 from ortspec.runtime.ort.graph_io import TOKEN_ROWS, call_width, logit_rows_for, token_rows_for
 from ortspec.runtime.decoding.sampling import DraftBlock
@@ -275,12 +275,36 @@ def test_cost_surface_interpolates_and_prices_a_row_by_the_batch():
     rows[0] = 4
     batched = policy.choose(block)
     assert 1 <= batched < alone  # a wide call makes each extra token dear
-    # the call's other rows emit a token each whatever this row drafts: a draft that widens
-    # the call is weighed against all of the call's tokens, not this row's alone
-    assert BatchCosts(surface, lambda: 4).others() == 3
+    # a row's share when all 4 rows draft k alike: c(4, 4k + 1) / 4 on a packed graph,
+    # c(4, k + 1) / 4 where every row runs at the widest block anyway
+    packed = BatchCosts(surface, lambda: 4).costs(3)
+    assert packed == pytest.approx([1.6 / 4, surface.cost(4, 5) / 4, surface.cost(4, 9) / 4])
+    padded = BatchCosts(surface, lambda: 4, packs_tokens=False).costs(3)
+    assert padded == pytest.approx([surface.cost(4, n) / 4 for n in (1, 2, 3)])
     solo_view = AdaptiveDraftLength(CostCurve(surface.curve(4, 8).seconds))
     solo_view.acceptance = policy.acceptance
     assert batched <= solo_view.choose(block)
+
+
+def test_under_load_a_row_drafts_only_what_pays_when_every_row_drafts_alike():
+    """A steep surface (each token of a call at 8 rows costs as much as at 1 row): a block that
+    pays alone is refused at 8 rows, where 8 rows drafting it would cost more than the
+    accepted tokens save; the rate the policy then expects is plain decoding's."""
+    surface = CostSurface(rows=(1, 8), tokens=(1, 2, 4, 8, 16),
+                          seconds=((1.0, 1.14, 1.42, 1.98, 3.1),
+                                   (1.98, 2.12, 2.4, 2.96, 4.08)))  # 0.14 a token, at any rows
+    rows = [1]
+    policy = AdaptiveDraftLength(CostCurve((1.0,))).for_batch_row(
+        BatchCosts(surface, lambda: rows[0]))
+    block = DraftBlock.points([1, 2, 3, 4], source="test", match_len=3)
+    for i in range(60):  # half the blocks fully accepted, half rejected at once: E(k) < 2
+        policy.observe(block, 4, 4 if i % 2 else 0, 1)
+    assert policy.choose(block) >= 1  # alone: a verify of 2 costs 1.14 steps
+    rows[0] = 8
+    assert policy.choose(block) == 0  # 8 rows of one draft each: c(8, 9) / c(8, 1) = 1.57
+    key = AcceptanceModel.key(block)
+    plain_rate = 1.0 / (surface.cost(8, 1) / 8)
+    assert policy.rate(4, key=key, prior=None, paid=False) == pytest.approx(plain_rate)
 
 
 def test_a_batched_draft_is_priced_at_the_rows_that_share_its_call():
@@ -299,7 +323,7 @@ def test_a_batched_draft_is_priced_at_the_rows_that_share_its_call():
         priced.observe(block, 4, 4, 1)
     key = ("draft_model", 0)
     assert priced.limit(4, key=key, prior=None) >= 1
-    assert BatchCosts(target, lambda: 4, draft=draft).draft_step(0.1) == 1.1
+    assert BatchCosts(target, lambda: 4, draft=draft).draft_step(0.1) == pytest.approx(1.1 / 4)
     assert BatchCosts(target, lambda: 4).draft_step(0.1) == 0.1  # a draft of each row's own
     rows[0] = 4
     assert priced.limit(4, key=key, prior=None) == 0
@@ -365,8 +389,7 @@ def test_cost_surface_measured_on_a_backend_is_monotone_and_writes_past_the_floo
 def window_dir(request):
     from ortspec.export import ensure_default_model
 
-    quant = "int4" if request.param == "int4" else None
-    return ensure_default_model(quant=quant, attention="window", progress=False)
+    return ensure_default_model(request.param, attention="window", progress=False)
 
 
 @pytest.mark.slow
@@ -459,7 +482,7 @@ def test_a_batched_draft_model_drafts_in_shared_calls_with_every_serial_output()
     from ortspec.export import add_draft, ensure_default_model
     from ortspec.runtime import load_model
 
-    window_dir = ensure_default_model(attention="window", progress=False)
+    window_dir = ensure_default_model("fp32", attention="window", progress=False)
     if not (window_dir / "drafts" / "int4").is_dir():
         add_draft(window_dir, quant="int4", progress=False)
     solo = load_model(window_dir, max_concurrent=1, batch=False)
