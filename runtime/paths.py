@@ -12,9 +12,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .errors import InvalidOptionError
+
 MODELS_DIR_ENV = "ORTSPEC_MODELS_DIR"
 CACHE_DIR_ENV = "ORTSPEC_CACHE_DIR"
-DEFAULT_MODEL_NAME = "smollm2-135m-instruct-fp32"  # the default recipe's fp32 export
+# The default model's exports: int4 (the GGUF's Q4_1 blocks exactly, `ortspec export --quant
+# int4`) is the default precision, fp32 one argument away.
+PRECISIONS = ("int4", "fp32")
+DEFAULT_PRECISION = "int4"
+MODEL_NAMES = {"int4": "smollm2-135m-instruct-int4", "fp32": "smollm2-135m-instruct-fp32"}
+DEFAULT_MODEL_NAME = MODEL_NAMES[DEFAULT_PRECISION]
+FP32_MODEL_NAME = MODEL_NAMES["fp32"]
 BATCHED_MODEL_NAME = DEFAULT_MODEL_NAME + "-window"  # its batched graph (--attention window)
 
 
@@ -31,6 +39,11 @@ def models_dir() -> Path:
     return Path(env) if env else cache_root() / "models"
 
 
-def default_model_path(*, batched: bool = False) -> Path:
-    """The default model's export; `batched`: the one exported with `--attention window`."""
-    return models_dir() / "exported" / (BATCHED_MODEL_NAME if batched else DEFAULT_MODEL_NAME)
+def default_model_path(*, batched: bool = False, precision: str = DEFAULT_PRECISION) -> Path:
+    """The default model's export: at int4 unless `precision="fp32"`; `batched`: the one
+    exported with `--attention window`."""
+    if precision not in PRECISIONS:
+        raise InvalidOptionError(f"precision must be one of {', '.join(PRECISIONS)}, got "
+                                 f"{precision!r}", option="precision")
+    name = MODEL_NAMES[precision]
+    return models_dir() / "exported" / (name + "-window" if batched else name)

@@ -36,7 +36,7 @@ def main() -> int:
         from ortspec.export import ensure_default_model
 
         t0 = time.perf_counter()
-        path = ensure_default_model(quant="int4" if args.precision == "int4" else None)
+        path = ensure_default_model(args.precision if args.precision == "fp32" else None)
         print(f"default model ready at {path} ({time.perf_counter() - t0:.1f} s)")
     model = load_model(path)
     print(f"loaded {model.path.name}: providers {model.providers}")

@@ -103,17 +103,17 @@ run_int4-sym4-dev-t0() {
 }
 # 8. `ortspec serve` on the default export: throughput, latency, the overhead per token
 run_serve() {
-  default_model "progress=False" >/dev/null
-  $SERVING --drafters prompt-lookup,none --concurrency 1,4,8 \
+  local fp32; fp32=$(default_model "'fp32', progress=False")
+  $SERVING --model "$fp32" --drafters prompt-lookup,none --concurrency 1,4,8 \
       --requests 16 --rounds 3 --max-tokens 64 --overhead-requests 16 --out $OUT/serve
-  $SERVING --drafters prompt-lookup,none --concurrency 1 --rounds 0 \
+  $SERVING --model "$fp32" --drafters prompt-lookup,none --concurrency 1 --rounds 0 \
       --max-tokens 64 --overhead-requests 40 --out $OUT/serve/overhead
 }
 # 9. `ortspec serve` on the batched graphs (--attention window): run D's three commands, run G
 # (the dev split's short prompts), run H / I (the prefix cache; prompts each sent once)
 run_serve-batched() {
   local fp32 int4
-  fp32=$(default_model "attention='window', progress=False")
+  fp32=$(default_model "'fp32', attention='window', progress=False")
   int4=$(default_model "attention='window', quant='int4', progress=False")
   $SERVING --model "$fp32" --drafters prompt-lookup,none --concurrency 1,4,8 --requests 16 --rounds 4 \
       --max-tokens 64 --overhead-requests 0 --out $OUT/serve-batched/fp32

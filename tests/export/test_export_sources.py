@@ -239,3 +239,39 @@ def test_concurrent_callers_of_ensure_default_model_share_one_export(tmp_path, m
         t.join()
     assert state["exports"] == 1
     assert len(results) == 3 and len(set(results)) == 1
+
+
+def test_the_default_model_is_int4_and_fp32_is_one_argument_away(fake_models):
+    models, *_ = fake_models
+    exported = models / "exported"
+    assert default_model_dir() == exported / "smollm2-135m-instruct-int4"
+    assert default_model_dir(attention="window") == exported / "smollm2-135m-instruct-int4-window"
+    assert default_model_dir("fp32") == exported / "smollm2-135m-instruct-fp32"
+    assert default_model_dir(quant="int4") == default_model_dir()
+    assert paths.default_model_path() == default_model_dir()  # the runtime names the same export
+    assert paths.default_model_path(batched=True) == default_model_dir(attention="window")
+    assert paths.default_model_path(precision="fp32") == default_model_dir("fp32")
+    with pytest.raises(ValueError, match="precision must be one of int4, fp32, got 'fp16'"):
+        paths.default_model_path(precision="fp16")
+
+
+@pytest.mark.parametrize("argv, dtype, quant", [
+    ([], "fp32", "int4"),                  # the default model at its default precision
+    (["--dtype", "fp32"], "fp32", None),   # its float export
+    (["--quant", "int4"], "fp32", "int4"),
+    (["SRC"], "fp32", None),               # another checkpoint keeps its own precision
+])
+def test_export_cli_without_a_source_exports_the_default_model_at_int4(argv, dtype, quant,
+                                                                        tmp_path, monkeypatch):
+    from ortspec.export import api
+
+    seen = {}
+
+    def fake_export(source, **kw):
+        seen.update(kw, source=source)
+        return tmp_path
+
+    monkeypatch.setattr(api, "export_model", fake_export)
+    argv = [str(tmp_path) if a == "SRC" else a for a in argv]
+    assert cli.main([*argv, "--quiet"]) == 0
+    assert (seen["dtype"], seen["quant"]) == (dtype, quant)

@@ -231,7 +231,7 @@ def test_load_model_refuses_bad_pool_options(tiny_dir):
 @pytest.mark.slow
 def test_the_default_model_serves_interleaved_and_threaded_requests_exactly():
     export = pytest.importorskip("ortspec.export", reason="the export extra makes the default model")
-    model = load_model(export.ensure_default_model(progress=False))
+    model = load_model(export.ensure_default_model("fp32", progress=False))
     prompts = ["Write a haiku about the sea.", "List three prime numbers and explain why each is prime.",
                "Rewrite this sentence in the past tense: the cat sits on the mat and the dog sits on the mat.",
                "What is the capital of France?"]

@@ -550,7 +550,7 @@ def test_only_ortspec_errors_leave_the_cli_as_one_line(capsys, tiny_dir):
 @pytest.fixture(scope="module")
 def real_model():
     export = pytest.importorskip("ortspec.export", reason="the export extra makes the default model")
-    return load_model(export.ensure_default_model(progress=False))
+    return load_model(export.ensure_default_model("fp32", progress=False))
 
 
 @pytest.mark.slow

@@ -98,8 +98,8 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(wheel, user):
     _ok(_run([*pip, "install", *quiet, f"ortspec[export,bench] @ {wheel.as_uri()}"], cwd=work, env=env,
              timeout=1800), "pip install the extras")
     out = _ok(_run([ortspec, "export"], cwd=work, env=env, timeout=1800), "ortspec export")
-    cache = Path(env["XDG_CACHE_HOME"]) / "ortspec" / "models" / "exported" / "smollm2-135m-instruct-fp32"
-    assert (cache / "manifest.json").is_file(), out  # the per-user models directory
+    cache = Path(env["XDG_CACHE_HOME"]) / "ortspec" / "models" / "exported" / "smollm2-135m-instruct-int4"
+    assert (cache / "manifest.json").is_file(), out  # the per-user models directory, at int4
     r = _ok(_run([ortspec, "generate", "--prompt", "Name three colours.", "--chat", "--max-new-tokens", "16"],
                  cwd=work, env=env), "ortspec generate")
     assert r.strip(), "generate printed no text"
