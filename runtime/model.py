@@ -44,14 +44,16 @@ from .draft_length.calibration import CalibrationKey, CostSurface, calibrated_co
 from .decoding.loop import Steps, decode_steps
 from .decoding.options import SpeculativeDecodeResult, SpeculativeOptions
 from .draft_length.policy import AdaptiveDraftLength, BatchCosts
-from .drafters import NEEDS_DRAFT_MODEL
+from .drafters import NEEDS_DRAFT_HEAD, NEEDS_DRAFT_MODEL
 from .drafters.composite import CostAwareDrafter
+from .drafters.eagle3 import SOURCE as EAGLE3_SOURCE, Eagle3Drafter
 from .drafters.draft_model import DEFAULT_DRAFT_CONTEXT, DraftModelDrafter
 from .drafters.prompt_lookup import PromptLookupSpeculator
 from .drafters.ngram_counts import NgramCountsDrafter
 from .drafters.target_cache import TargetCacheDrafter
 from .errors import InvalidOptionError, InvalidPromptError
 from .ort.decoder import OrtDecoder, kv_compatible
+from .ort.head import HeadSessions, HeadSteps, OrtDraftHead
 from .decoding.protocols import DraftLengthPolicy, Drafter
 from .ort.sessions import OrtSessions
 from .request import DrafterSpec, ModelFacts, check_drafter_spec, check_request, drafter_spec
@@ -59,6 +61,7 @@ from .slots import DecodeSlot, SlotPool, WhenBusy
 from .decoding.text import TextStream
 
 DEFAULT_MAX_CONCURRENT = 4  # decode slots a model makes at most unless told otherwise
+EAGLE3_MAX_DRAFT = 4  # the longest chain an eagle3 drafter drafts (EAGLE-3's training depth)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +125,8 @@ class Model:
         self._policy: AdaptiveDraftLength | None = None
         self._decoder: OrtDecoder | None = None
         self._draft: OrtDecoder | None = None
+        self._head_lock = threading.Lock()  # held while the draft head's sessions open
+        self._head_sessions: HeadSessions | None = None
 
     @property
     def providers(self) -> list[str]:
@@ -248,7 +253,33 @@ class Model:
                           path=str(self.path),
                           has_draft=draft is not None or self.listed_draft is not None,
                           draft_capacity=draft.capacity if draft is not None else None,
-                          draft_follows=self.draft_shares_kv)
+                          draft_follows=self.draft_shares_kv,
+                          has_draft_head=self.manifest.draft_head is not None,
+                          batched=self.runner is not None)
+
+    @property
+    def default_drafter(self) -> str:
+        """The drafter "auto" (the default of `start`, the CLI and the server) stands for:
+        "eagle3" on a model whose manifest lists a trained draft head and that decodes each
+        request on its own calls, "prompt-lookup" otherwise."""
+        if self.manifest.draft_head is not None and self.runner is None:
+            return "eagle3"
+        return "prompt-lookup"
+
+    def load_head(self) -> HeadSessions:
+        """The sessions of the draft head the manifest lists, opened on first use, once
+        (concurrent first requests wait for one load), with the target's providers and
+        threads; every request's head (`OrtDraftHead.on`) shares them. `start` calls it for a
+        request whose drafter needs the head, before returning."""
+        if self.manifest.draft_head is None:
+            raise InvalidOptionError(f"{self.path} lists no draft head (export it with "
+                                     f"`ortspec export SOURCE --draft-head HEAD_DIR`)")
+        with self._head_lock:
+            if self._head_sessions is None:
+                self._head_sessions = HeadSessions(
+                    self.path / self.manifest.draft_head, providers=self.sessions.providers,
+                    threads=self.sessions.intra_op_threads)
+        return self._head_sessions
 
     def check_drafter_spec(self, spec: DrafterSpec) -> None:
         """InvalidOptionError unless `spec` names a drafter this model can make with those
@@ -258,15 +289,21 @@ class Model:
             self.load_draft()
         check_drafter_spec(spec, self.facts())
 
-    def make_drafter(self, name: str = "prompt-lookup", *, ngram_size: int = 3, max_draft_len: int = 8,
+    def make_drafter(self, name: str = "auto", *, ngram_size: int = 3, max_draft_len: int = 8,
                      draft_decoder: OrtDecoder | BatchRow | None = None,
-                     draft_context: int | None = DEFAULT_DRAFT_CONTEXT) -> Drafter | None:
-        """A drafter by name: one of DRAFTER_NAMES ("none" gives None: plain decoding).
+                     draft_context: int | None = DEFAULT_DRAFT_CONTEXT,
+                     target: OrtDecoder | BatchRow | None = None) -> Drafter | None:
+        """A drafter by name: one of DRAFTER_NAMES ("none" gives None: plain decoding; "auto"
+        the model's `default_drafter`).
 
         The draft-model drafters run on `draft_decoder` (default: `self.draft`, the caller's
         own, the listed draft loaded first if need be); requests make theirs on their own
         slots. The draft model reads the last `draft_context` tokens of the history (None: all
-        of it; see `DraftModelDrafter`)."""
+        of it; see `DraftModelDrafter`). The eagle3 drafters read the hidden states of
+        `target`, the decoder the request decodes on (default: `self.decoder`), with a head of
+        their own over the shared head sessions (`load_head`)."""
+        if name == "auto":
+            name = self.default_drafter
         if draft_decoder is None and name in NEEDS_DRAFT_MODEL:
             self.load_draft()
         check_drafter_spec(DrafterSpec(name), self.facts())
@@ -275,6 +312,12 @@ class Model:
         lookup = PromptLookupSpeculator(ngram_size=ngram_size, max_draft_len=max_draft_len)
         if name == "prompt-lookup":
             return lookup
+        if name in NEEDS_DRAFT_HEAD:
+            source = target if target is not None else self.decoder
+            assert isinstance(source, OrtDecoder)  # a batching model refuses eagle3 (facts)
+            head_drafter = Eagle3Drafter(source, OrtDraftHead.on(self.load_head()),
+                                         max_draft_len=min(max_draft_len, EAGLE3_MAX_DRAFT))
+            return head_drafter if name == "eagle3" else CostAwareDrafter(lookup, head_drafter)
         if name == "ngram-counts":
             return NgramCountsDrafter(ngram_size=ngram_size, max_draft_len=max_draft_len)
         if name == "target-cache":
@@ -318,6 +361,7 @@ class Model:
                         refresh=refresh))
             policy = AdaptiveDraftLength(curve)
             self._measure_draft(policy, refresh=refresh)
+            self._measure_head(policy)
             self._policy = policy
             return policy
 
@@ -337,6 +381,17 @@ class Model:
             self._draft_surface = self.draft_runner.exclusive(
                 lambda backend, floors: calibrated_cost_surface(
                     backend, draft_key, max_len=1, floors=floors, refresh=refresh))
+
+    def _measure_head(self, policy: AdaptiveDraftLength) -> None:
+        """The draft head's drafted-token cost into `policy` (its `paid_steps` of the eagle3
+        source), when the manifest lists a head this model drafts with: a head step against the
+        target's, interleaved."""
+        if self.manifest.draft_head is None or self.runner is not None:
+            return
+        head = HeadSteps(OrtDraftHead.on(self.load_head()))
+        with self.slots.slot() as slot:
+            ratio = step_cost_ratio(head, slot.decoder)
+        policy.paid_steps[EAGLE3_SOURCE] = ratio * policy.curve.cost(1)
 
     def draft_length_policy(self, *, refresh: bool = False) -> AdaptiveDraftLength:
         """The cost-model draft-length policy whose estimates requests share (`prepare` makes
@@ -364,7 +419,7 @@ class Model:
         self,
         prompt: str | Sequence[int],
         *,
-        drafter: Drafter | str | DrafterSpec | None = "prompt-lookup",
+        drafter: Drafter | str | DrafterSpec | None = "auto",
         options: SpeculativeOptions | None = None,
         chat: bool = False,
         system: str | None = None,
@@ -374,7 +429,8 @@ class Model:
 
         `prompt`: text (encoded, through the chat format with `chat`, `system` as a system
         turn) or token ids. `drafter`: a name from DRAFTER_NAMES, a `DrafterSpec`, a drafter
-        object, or None (plain decoding); a name or a spec makes the drafter on the request's own
+        object, or None (plain decoding); "auto" (the default) is the model's `default_drafter`
+        (eagle3 where the manifest lists a draft head); a name or a spec makes the drafter on the request's own
         slot, whose draft decoder runs on the slot's KV buffers (`draft_shares_kv`); a drafter
         object built on `model.draft` has buffers of its own. A draft-model drafter on a model
         whose manifest lists a draft loads that draft first, once (`load_draft`).
@@ -398,10 +454,15 @@ class Model:
         if isinstance(options, SpeculativeOptions) and not options.stop_token_ids:
             options = dataclasses.replace(options, stop_token_ids=self.manifest.stop_token_ids)
         spec = drafter_spec(drafter)
+        if spec is not None and spec.name == "auto":
+            spec = dataclasses.replace(spec, name=self.default_drafter)
         if spec is not None and spec.name == "none":
             drafter = spec = None
         if spec is not None and spec.name in NEEDS_DRAFT_MODEL:
             self.load_draft()
+        if spec is not None and spec.name in NEEDS_DRAFT_HEAD and self.runner is None \
+                and self.manifest.draft_head is not None:
+            self.load_head()
         ids = check_request(ids, options, drafter=spec or drafter, draft_length=draft_length,
                             facts=self.facts())
         assert ids is not None
@@ -485,7 +546,8 @@ class TokenStream:
                 drafter = model.make_drafter(drafter.name, ngram_size=drafter.ngram_size,
                                              max_draft_len=drafter.max_draft_len,
                                              draft_context=drafter.draft_context,
-                                             draft_decoder=model._slot_draft(slot))
+                                             draft_decoder=model._slot_draft(slot),
+                                             target=slot.decoder)
             self._steps = decode_steps(slot.decoder, self.prompt, drafter, self.options,
                                        draft_length=self._policy, counters=self.counters)
         except BaseException:

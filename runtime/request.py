@@ -16,7 +16,7 @@ from typing import Sequence
 
 from .decoding.options import check_options, check_prompt
 from .decoding.protocols import check_drafter
-from .drafters import DRAFTER_NAMES, NEEDS_DRAFT_MODEL
+from .drafters import DRAFTER_NAMES, NEEDS_DRAFT_HEAD, NEEDS_DRAFT_MODEL
 from .drafters.draft_model import DEFAULT_DRAFT_CONTEXT, check_draft_context
 from .drafters.prompt_lookup import check_lookup_sizes
 from .errors import InvalidOptionError
@@ -48,6 +48,8 @@ class ModelFacts:
     has_draft: bool = False
     draft_capacity: int | None = None
     draft_follows: bool = False
+    has_draft_head: bool = False  # the manifest lists a trained draft head (draft_head)
+    batched: bool = False  # concurrent requests share calls (a window graph's batch runner)
 
 
 def check_request(prompt: Sequence[int] | None, options: object | None, *,
@@ -96,6 +98,16 @@ def check_drafter_spec(spec: DrafterSpec, facts: ModelFacts | None = None) -> No
     if spec.name not in DRAFTER_NAMES:
         raise InvalidOptionError(f"unknown drafter {spec.name!r}; choose one of {', '.join(DRAFTER_NAMES)}")
     check_lookup_sizes(spec.ngram_size, 1, spec.max_draft_len)
+    if spec.name in NEEDS_DRAFT_HEAD and facts is not None:
+        if not facts.has_draft_head:
+            raise InvalidOptionError(
+                f"drafter {spec.name!r} needs a trained draft head and {facts.path} lists none: "
+                f"export the model with `ortspec export SOURCE --draft-head HEAD_DIR`")
+        if facts.batched:
+            raise InvalidOptionError(
+                f"drafter {spec.name!r} does not run on a batching model yet ({facts.path} "
+                f"shares calls between requests); load it with batch=False, or use "
+                f"prompt-lookup")
     if spec.name not in NEEDS_DRAFT_MODEL:
         return
     if facts is None:

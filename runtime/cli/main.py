@@ -134,7 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-file")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     _add_sampling(g)
-    g.add_argument("--drafter", default="prompt-lookup", choices=DRAFTER_NAMES)
+    g.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES,
+                   help="auto (the default): eagle3 where the model lists a draft head, else "
+                        "prompt-lookup")
     g.add_argument("--draft", help="draft model directory (default: the one the manifest lists)")
     g.add_argument("--ngram-size", type=int, default=3)
     g.add_argument("--max-draft-len", type=int, default=8)

@@ -192,6 +192,13 @@ class DraftDist:
         ids = np.flatnonzero(probs > 0)
         return cls._trusted(ids, probs[ids])
 
+    @classmethod
+    def from_warped_mapped(cls, probs: np.ndarray, ids: np.ndarray) -> "DraftDist":
+        """From a vector `warp` produced over a reduced vocabulary (probs: [n]) whose entry i
+        is the token ids[i] ([n] distinct int64 token ids, e.g. a draft head's target_ids)."""
+        support = np.flatnonzero(probs > 0)
+        return cls._trusted(ids[support], probs[support])
+
     @property
     def is_point(self) -> bool:
         return self.token_ids.size == 1

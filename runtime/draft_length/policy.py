@@ -268,11 +268,15 @@ class AdaptiveDraftLength:
     over the same cross-request estimates, cost correction and report of recent choices."""
 
     def __init__(self, curve: CostCurve, *, draft_step_seconds: float = 0.0,
+                 paid_steps: dict[str, float] | None = None,
                  acceptance: AcceptanceModel | None = None, learn_costs: bool = True,
                  correction: CallCosts | None = None,
                  chosen: "collections.deque[int] | None" = None) -> None:
         self.curve = curve
-        self.draft_step_seconds = draft_step_seconds
+        self.draft_step_seconds = draft_step_seconds  # a draft model's drafted token
+        # the seconds a drafted token of other paid drafters costs, by their blocks' source
+        # (e.g. "eagle3", a head step); shared by every view of this policy
+        self.paid_steps: dict[str, float] = {} if paid_steps is None else paid_steps
         self.acceptance = acceptance or AcceptanceModel()
         self.correction = correction or CostCorrection(curve)
         self.learn_costs = learn_costs  # False: the curve as calibrated, no timed calls
@@ -284,7 +288,7 @@ class AdaptiveDraftLength:
         """A policy for one more request: its own within-request state, this one's shared
         estimates, correction and report."""
         return AdaptiveDraftLength(
-            self.curve, draft_step_seconds=self.draft_step_seconds,
+            self.curve, draft_step_seconds=self.draft_step_seconds, paid_steps=self.paid_steps,
             acceptance=self.acceptance.for_request(), learn_costs=self.learn_costs,
             correction=self.correction, chosen=self.chosen)
 
@@ -292,14 +296,18 @@ class AdaptiveDraftLength:
         """A policy for one request on a batched model: this one's shared acceptance estimates
         and report, the batch's costs."""
         return AdaptiveDraftLength(
-            self.curve, draft_step_seconds=self.draft_step_seconds,
+            self.curve, draft_step_seconds=self.draft_step_seconds, paid_steps=self.paid_steps,
             acceptance=self.acceptance.for_request(), learn_costs=False, correction=costs,
             chosen=self.chosen)
 
-    def _draft_step(self) -> float:
-        """Seconds one drafted token's draft step costs: the draft's step as measured against
-        the target's, or, in a batch whose draft batches too, its call at the current rows."""
-        return self.correction.draft_step(self.draft_step_seconds)
+    def _solo_step(self, key: tuple[str, int]) -> float:
+        """Seconds a drafted token with `key` costs its drafter: `paid_steps` of its source, else
+        the draft model's step as measured against the target's."""
+        return self.paid_steps.get(key[0], self.draft_step_seconds)
+
+    def _draft_step(self, key: tuple[str, int]) -> float:
+        """`_solo_step`, or, in a batch whose draft batches too, its call at the current rows."""
+        return self.correction.draft_step(self._solo_step(key))
 
     def _best(self, a: np.ndarray, per_draft: float) -> int:
         return int(np.argmax(self._rates(a, per_draft)))
@@ -315,16 +323,16 @@ class AdaptiveDraftLength:
         step. What a composite drafter compares its drafters by, before either drafts."""
         self.acceptance.learn_prior(key, prior)
         a = self.acceptance.estimates(key, k_max)
-        return float(np.max(self._rates(a, self._draft_step() if paid else 0.0)))
+        return float(np.max(self._rates(a, self._draft_step(key) if paid else 0.0)))
 
     def limit(self, k_max: int, *, key: tuple[str, int], prior: float | None) -> int:
-        """How many tokens a model drafter should draft (it pays `draft_step_seconds` each);
+        """How many tokens a model drafter should draft (it pays `_solo_step(key)` each);
         `key` and `prior` are those its blocks will carry."""
-        if self.draft_step_seconds <= 0:
+        if self._solo_step(key) <= 0:
             return k_max
         self.acceptance.learn_prior(key, prior)
         a = self.acceptance.estimates(key, k_max)
-        k = self._best(a, self._draft_step())
+        k = self._best(a, self._draft_step(key))
         if k == 0:  # keep learning: without drafts the estimate could never recover
             self._skipped += 1
             if self._skipped % EXPLORE_EVERY == 0:
@@ -354,6 +362,7 @@ class AdaptiveDraftLength:
         """An independent policy with this one's cost curve and draft cost and nothing learned
         (e.g. one per method in a benchmark, so methods do not share estimates)."""
         return AdaptiveDraftLength(self.curve, draft_step_seconds=self.draft_step_seconds,
+                                   paid_steps=self.paid_steps,
                                    acceptance=AcceptanceModel(self.acceptance.max_len),
                                    learn_costs=learn_costs)
 

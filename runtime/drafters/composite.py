@@ -19,7 +19,7 @@ verify it feeds, so the output distribution stays the target's. Each block keeps
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 
@@ -27,7 +27,6 @@ from ..errors import InvalidOptionError
 from ..decoding.protocols import DraftLengthPolicy, Drafter
 from ..decoding.sampling import DraftBlock
 from ..draft_length.policy import AcceptanceModel
-from .draft_model import DraftModelDrafter
 
 if TYPE_CHECKING:
     from ..decoding.options import SpeculativeOptions
@@ -56,14 +55,21 @@ class FallbackDrafter:
         return DraftBlock.empty()
 
 
+class PaidDrafter(Drafter, Protocol):
+    """A drafter that pays a model step per drafted token (a draft model, a trained head): it
+    says what `policy` expects its next block to emit per second, drafting paid."""
+
+    def rate(self, policy: DraftLengthPolicy, history: Sequence[int], max_tokens: int) -> float: ...
+
+
 class CostAwareDrafter:
-    """`free` (drafting costs nothing) or `paid` (a draft model), whichever the request's policy
+    """`free` (drafting costs nothing) or `paid` (a draft model or an EAGLE-3 head), whichever the request's policy
     expects to emit more tokens per second this step (see the module docstring). Without a
     policy: `free`'s block when it has one, else `paid`'s (FallbackDrafter's order).
 
     `chosen` counts the steps each drafted ({"free": n, "paid": n})."""
 
-    def __init__(self, free: Drafter, paid: DraftModelDrafter) -> None:
+    def __init__(self, free: Drafter, paid: PaidDrafter) -> None:
         self.free, self.paid = free, paid
         self._policy: DraftLengthPolicy | None = None
         self.chosen = {"free": 0, "paid": 0}

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from ..decoding.protocols import DecoderBase
 from ..errors import ConcurrentUseError, InvalidOptionError
 from ..validation import check_int, check_logits, check_token_block, check_truncate_length
 from .graph_io import (ATTENTION_MASK, INPUT_IDS, LOGITS, past_key_name, past_value_name,
@@ -212,6 +213,38 @@ def open_draft_head(head_dir: str | os.PathLike, *, providers: Any = None,
     checked (head.json, checksums, the graphs' references and I/O) and opened. ManifestError
     for a directory that is not a well-formed head."""
     return OrtDraftHead(head_dir, providers=providers, threads=threads)
+
+
+class HeadSteps(DecoderBase):
+    """A head's own-state steps as a `Decoder`, to time a drafted token against a target step
+    (`calibration.step_cost_ratio`): `forward_token` feeds a token with the head's previous
+    hidden output, what every drafted token after the first costs; `forward_batch` feeds a
+    block with zero states (a prefill of the head's cache)."""
+
+    def __init__(self, head: OrtDraftHead) -> None:
+        self.head = head
+        self.vocab_size = head.vocab_size
+        self.capacity = head.capacity
+        self._hidden = np.zeros((1, head.hidden_size), np.float32)  # [1, H]
+
+    @property
+    def length(self) -> int:
+        return self.head.length
+
+    def reset(self) -> None:
+        self.head.reset()
+
+    def truncate(self, length: int) -> None:
+        self.head.truncate(length)
+
+    def forward_token(self, token: int) -> np.ndarray:  # [vocab_d]
+        logits, hidden = self.head.forward([token], self._hidden, from_target=False)
+        self._hidden = hidden.copy()
+        return logits[0]
+
+    def forward_batch(self, tokens: Sequence[int]) -> np.ndarray:  # [n, vocab_d]
+        zeros = np.zeros((len(tokens), self.head.hidden_size), np.float32)
+        return self.head.forward(tokens, zeros, from_target=False)[0]
 
 
 def _cpu_providers(providers: Any) -> list[tuple[str, dict[str, Any]]]:

@@ -67,8 +67,10 @@ async def _json_body(request: Request) -> Any:
         raise invalid(None, f"the request body is not valid JSON: {e}") from None
 
 
-def create_app(model: Model, *, model_name: str, drafter: str = "prompt-lookup",
+def create_app(model: Model, *, model_name: str, drafter: str = "auto",
                max_concurrent: int = 4, max_queue: int = 64) -> FastAPI:
+    if drafter == "auto":  # the responses name the drafter that runs
+        drafter = model.default_drafter
     engine = Engine(model, drafter=drafter, max_concurrent=max_concurrent, max_queue=max_queue)
     info = ModelInfo.of(model, name=model_name)
 

@@ -34,7 +34,7 @@ APP_NAME = "ortspec"
 class OrtspecServer:
     """One replica: one loaded model, its own slots, queue and metrics."""
 
-    def __init__(self, model_dir: str, *, model_name: str, drafter: str = "prompt-lookup",
+    def __init__(self, model_dir: str, *, model_name: str, drafter: str = "auto",
                  threads: int | None = None, providers: list[str] | None = None,
                  draft: str | bool | None = None, max_concurrent: int = 4,
                  max_queue: int = 64, busy_timeout: float = 60.0,
@@ -54,7 +54,7 @@ class OrtspecServer:
 
 
 def application(model_dir: str | os.PathLike, *, replicas: int, model_name: str | None = None,
-                drafter: str = "prompt-lookup", threads: int | None = None,
+                drafter: str = "auto", threads: int | None = None,
                 providers: list[str] | None = None, draft: str | bool | None = None,
                 max_concurrent: int = 4, max_queue: int = 64,
                 prefix_cache_mib: float = DEFAULT_PREFIX_CACHE_MIB) -> Any:
@@ -96,7 +96,7 @@ def build(args: dict[str, Any]) -> Any:
     providers = [p.strip() for p in a["providers"].split(",")] if a.get("providers") else None
     return application(a["model"], replicas=a.get("replicas", 1),
                        model_name=a.get("served_model_name"),
-                       drafter=a.get("drafter", "prompt-lookup"), threads=a.get("threads"),
+                       drafter=a.get("drafter", "auto"), threads=a.get("threads"),
                        providers=providers, draft=a.get("draft"),
                        max_concurrent=a.get("max_concurrent", 4),
                        max_queue=a.get("max_queue", 64),

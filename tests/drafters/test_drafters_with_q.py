@@ -6,7 +6,7 @@ target's rows, and the q each reports, worked by hand."""
 import numpy as np
 import pytest
 
-from helpers.drafters import RandomDrafter
+from helpers.drafters import Counting, RandomDrafter
 from ortspec.runtime import (
     DrafterError,
     PromptLookupSpeculator,
@@ -38,24 +38,6 @@ def _counts(**kw):
 
 def _cache(**kw):
     return TargetCacheDrafter(**kw)
-
-
-class Counting:
-    """Wraps a drafter and counts the drafted positions whose q was not a point mass."""
-
-    def __init__(self, drafter):
-        self.drafter, self.spread = drafter, 0
-
-    def begin(self, options, draft_length):
-        self.drafter.begin(options, draft_length)
-
-    def observe_target(self, start, logits):
-        self.drafter.observe_target(start, logits)
-
-    def propose(self, history, max_tokens):
-        block = self.drafter.propose(history, max_tokens)
-        self.spread += sum(not d.is_point for d in block.dists)
-        return block
 
 
 # -- exact marginals at temperature -------------------------------------------------------------

@@ -53,3 +53,21 @@ class BadDrafter(DrafterBase):
 
     def propose(self, history: Sequence[int], max_tokens: int) -> DraftBlock:
         return self.block
+
+
+class Counting:
+    """Wraps a drafter and counts the drafted positions whose q was not a point mass."""
+
+    def __init__(self, drafter):
+        self.drafter, self.spread = drafter, 0
+
+    def begin(self, options, draft_length):
+        self.drafter.begin(options, draft_length)
+
+    def observe_target(self, start, logits):
+        self.drafter.observe_target(start, logits)
+
+    def propose(self, history, max_tokens):
+        block = self.drafter.propose(history, max_tokens)
+        self.spread += sum(not d.is_point for d in block.dists)
+        return block
