@@ -8,9 +8,9 @@
 #   scripts/reproduce_benchmarks.sh dev-t0 serve-batched  # only those
 #
 # Directories: dev-t0 dev-t1 draft-length draft-model drafters-with-q shared-kv-draft
-# dev-split-draft candidate-mass int4-dev-t0 int4-sym4-dev-t0 serve serve-batched, and
-# int4-vs-genai (not in the default set: it needs the anchors' environment, made by
-# scripts/setup_anchors.sh).
+# dev-split-draft candidate-mass int4-dev-t0 int4-sym4-dev-t0 serve serve-batched
+# int4-quality, and int4-vs-genai and llama-server (not in the default set: they need the
+# anchors' environment, made by scripts/setup_anchors.sh, and a llama.cpp build).
 # Each run interleaves its methods per prompt, so only the ratios and counts are evidence;
 # absolute tokens/s drift with the machine.
 set -euo pipefail
@@ -141,12 +141,34 @@ run_int4-vs-genai() {
       --max-new-tokens 96 --ortspec int4-sym4="$sym4" --ortspec int4="$int4" \
       --genai int4=models/cache/genai-smollm2-int4 --out $OUT/int4-vs-genai
 }
+# 11. int4 formats against fp32: perplexity, top-1 agreement (no decoding timed)
+run_int4-quality() {
+  local fp32 int4 v
+  fp32=$(default_model "'fp32', progress=False")
+  int4=$(default_model "progress=False")
+  local C=(--compare "int4 Q4_1-exact (default)=$int4")
+  for v in "int4-head4:--lm-head int4" "symmetric:--quant-scheme symmetric" \
+           "symmetric-head4:--quant-scheme symmetric --lm-head int4" "zero-point:--quant-scheme zero-point"; do
+    [ -d "$OUT/int4-formats/${v%%:*}" ] || .venv/bin/ortspec export --quant int4 ${v#*:} \
+        --out "$OUT/int4-formats/${v%%:*}" --quiet
+    C+=(--compare "${v%%:*}=$OUT/int4-formats/${v%%:*}")
+  done
+  $PY -m ortspec.runtime.bench.int4_quality --fp32 "$fp32" "${C[@]}" --prompts 24 \
+      --answer-tokens 64 --out $OUT/int4-quality
+}
+# 12. `ortspec serve` against llama-server on the same weights (needs $ORTSPEC_LLAMA_CPP, a
+# llama.cpp build: docs/benchmarks/llama-server/README.md)
+run_llama-server() {
+  default_model "attention='window', progress=False" >/dev/null
+  $PY -m ortspec.runtime.bench.serving_llama --concurrency 1,4,8 --requests 8 --rounds 2 \
+      --max-tokens 64 --threads 2 --out $OUT/llama-server
+}
 
 ALL=(dev-t0 dev-t1 draft-length draft-model drafters-with-q shared-kv-draft dev-split-draft
-     candidate-mass int4-dev-t0 int4-sym4-dev-t0 serve serve-batched)
+     candidate-mass int4-dev-t0 int4-sym4-dev-t0 serve serve-batched int4-quality)
 for name in "${@:-${ALL[@]}}"; do
   if ! declare -F "run_$name" >/dev/null; then
-    echo "unknown directory: $name (one of: ${ALL[*]} int4-vs-genai)" >&2
+    echo "unknown directory: $name (one of: ${ALL[*]} int4-vs-genai llama-server)" >&2
     exit 2
   fi
   echo "== $name -> $OUT/" >&2

@@ -389,7 +389,9 @@ def test_cost_surface_measured_on_a_backend_is_monotone_and_writes_past_the_floo
 def window_dir(request):
     from ortspec.export import ensure_default_model
 
-    return ensure_default_model(request.param, attention="window", progress=False)
+    if request.param == "fp32":
+        return ensure_default_model("fp32", attention="window", progress=False)
+    return ensure_default_model(quant="int4", attention="window", progress=False)
 
 
 @pytest.mark.slow
