@@ -33,6 +33,9 @@ import time
 from pathlib import Path
 
 from . import provenance
+from ..errors import OrtspecError
+from ..ort import manifest as mf
+from ..paths import models_dir
 from .llama_cpp import LlamaCppMissing, find_llama_cpp, ngram_flags, requantized, \
     server_command
 from .server import ServerError, ServerProcess, free_port, ortspec_serve
@@ -119,7 +122,7 @@ def _systems(args, model_dir: Path) -> tuple[list[System], list[str]]:
     except LlamaCppMissing as e:
         skipped.append(f"llama-server: {e}")
         return systems, skipped
-    gguf = Path(args.gguf) if args.gguf else _default_gguf()
+    gguf = Path(args.gguf) if args.gguf else gguf_of(model_dir)
     q4_0 = requantized(llama, gguf, "Q4_0", Path(args.cache))
     ngram = ngram_flags(llama)
     variants = [("llama Q4_0", q4_0, ()), ("llama Q4_1", gguf, ())]
@@ -135,10 +138,20 @@ def _systems(args, model_dir: Path) -> tuple[list[System], list[str]]:
     return systems, skipped
 
 
-def _default_gguf() -> Path:
-    from ortspec.export.sources import identify_source, materialize  # the export extra
-
-    return Path(materialize(identify_source(None), progress=False))
+def gguf_of(model_dir: Path) -> Path:
+    """The GGUF file `model_dir` was exported from, as its manifest records it: the default
+    model's, extracted into the models directory's cache, or a GGUF given by path.
+    OrtspecError when it is not a GGUF export or the file is gone (pass --gguf)."""
+    source = mf.read_manifest(model_dir, verify_checksums=False).source
+    path = str(source.get("path", ""))
+    if source.get("kind") == "default":
+        found = models_dir() / "cache" / str(source.get("recipe")) / Path(path.split(":")[-1]).name
+    else:
+        found = Path(path)
+    if found.suffix != ".gguf" or not found.is_file():
+        raise OrtspecError(f"{model_dir} was not exported from a GGUF file that is still at "
+                           f"{found}; pass --gguf FILE")
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:

