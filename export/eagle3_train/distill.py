@@ -55,23 +55,24 @@ def generate(model: Any, ids: list[int], *, max_new_tokens: int, temperature: fl
 
 
 def distill(model: Any, tokenizer: Any, prompts: list[Prompt], *, max_new_tokens: int,
-            temperature: float, seed: int, cache: Path | None = None,
+            temperature: float, seed: int, max_prompt_chars: int = 4000,
+            cache: Path | None = None,
             report: Callable[[str], None] = lambda s: None) -> list[Sample]:
     """One Sample per prompt. A self-instruct seed first has the target write the question
-    (sampled at T=1 for variety), then answer it. A prompt is cut to max_prompt_chars. With `cache`, each sample is stored under a
-    key of everything it depends on and reused."""
+    (sampled at T=1 for variety), then answer it. A prompt is cut to max_prompt_chars. With
+    `cache`, each sample is stored under a key of everything it depends on and reused."""
     eos = [i for i in {tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id",
                                                        None)} if isinstance(i, int)]
     samples = []
     for n, p in enumerate(prompts):
-        key = hashlib.sha256(json.dumps([model.config.name_or_path, text_key(p.text, max_prompt_chars), p.needs_question,
+        text = p.text[:max_prompt_chars]
+        key = hashlib.sha256(json.dumps([model.config.name_or_path, text, p.needs_question,
                                          max_new_tokens, temperature, seed + n],
                                         ).encode()).hexdigest()[:24]
         path = cache / f"{key}.json" if cache is not None else None
         if path is not None and path.is_file():
             samples.append(Sample(**json.loads(path.read_text())))
             continue
-        text = p.text[:max_prompt_chars]
         if p.needs_question:
             q = generate(model, chat_ids(tokenizer, text), max_new_tokens=64, temperature=1.0,
                          seed=seed + n, eos=eos)
@@ -86,7 +87,3 @@ def distill(model: Any, tokenizer: Any, prompts: list[Prompt], *, max_new_tokens
         samples.append(sample)
         report(f"distilled {n + 1}/{len(prompts)} ({len(answer)} answer tokens)")
     return samples
-
-
-def text_key(text: str, max_chars: int) -> str:
-    return text[:max_chars]

@@ -11,6 +11,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..errors import ExportOptionError
 from ..hidden_states import eagle3_layers
 from . import distill as dst
 from .loop import HeadShape, TrainableHead, train
@@ -35,7 +36,7 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     validation: float = 0.1  # share of samples held out of training to measure top-1
-    device: str = "cpu"
+    device: str = "cpu"  # only the CPU so far
 
 
 @dataclasses.dataclass
@@ -64,8 +65,8 @@ def train_head(source: str | None, out: str | Path, cfg: TrainConfig = TrainConf
                report: Callable[[str], None] | None = None) -> TrainResult:
     """Train a head for `source` (None: the default model) and write it to `out`."""
     say = report or ((lambda s: print(s, flush=True)) if progress else (lambda s: None))
-    if cfg.device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {cfg.device!r}")
+    if cfg.device != "cpu":
+        raise ExportOptionError(f"device must be 'cpu' (training runs on the CPU), got {cfg.device!r}")
     started = time.perf_counter()
     torch.manual_seed(cfg.seed)
     ckpt = dst.load_target(source, progress=progress)
