@@ -123,15 +123,15 @@ class TrainableHead(torch.nn.Module):
             K = torch.cat(blocks_k, dim=1).repeat_interleave(group, 0)  # [heads, n(k+1), D]
             V = torch.cat(blocks_v, dim=1).repeat_interleave(group, 0)
             scores = q @ K.transpose(1, 2) / s.head_dim ** 0.5  # [heads, n, n(k+1)]
-            rows = torch.arange(n)[:, None]
-            cols = torch.arange(n)[None, :]
+            rows, cols = torch.arange(n)[:, None], torch.arange(n)[None, :]
             mask = torch.cat([cols <= rows] + [cols == rows] * k, dim=1)  # [n, n(k+1)]
             scores = scores.masked_fill(~mask, float("-inf"))
             attn = (torch.softmax(scores, -1) @ V).transpose(0, 1).reshape(n, -1)
             residual = attn @ self.w(p + "self_attn.o_proj.weight").T + hidden
             y = self._norm(residual, p + "post_attention_layernorm.weight")
-            mlp = (torch.nn.functional.silu(y @ self.w(p + "mlp.gate_proj.weight").T)
-                   * (y @ self.w(p + "mlp.up_proj.weight").T)) @ self.w(p + "mlp.down_proj.weight").T
+            gated = torch.nn.functional.silu(y @ self.w(p + "mlp.gate_proj.weight").T) \
+                * (y @ self.w(p + "mlp.up_proj.weight").T)
+            mlp = gated @ self.w(p + "mlp.down_proj.weight").T
             hidden = mlp + residual  # the pre-norm state: the next step's input
             out.append(self._norm(hidden, "norm.weight") @ self.w("lm_head.weight").T)
         return out

@@ -14,7 +14,7 @@ import torch
 from ..errors import ExportOptionError
 from ..hidden_states import eagle3_layers
 from . import distill as dst
-from .loop import HeadShape, TrainableHead, train
+from .loop import HeadShape, TrainableHead, sample_loss, train
 from .prompts import SOURCES, training_prompts
 from .teacher import teacher_force
 from .vocab import draft_vocab, maps
@@ -50,8 +50,6 @@ class TrainResult:
 
 
 def _top1(head: TrainableHead, data, table, kept, cfg) -> list[float]:
-    from .loop import sample_loss
-
     if not data:
         return [float("nan")] * cfg.ttt_steps
     with torch.no_grad():
@@ -66,7 +64,15 @@ def train_head(source: str | None, out: str | Path, cfg: TrainConfig = TrainConf
     """Train a head for `source` (None: the default model) and write it to `out`."""
     say = report or ((lambda s: print(s, flush=True)) if progress else (lambda s: None))
     if cfg.device != "cpu":
-        raise ExportOptionError(f"device must be 'cpu' (training runs on the CPU), got {cfg.device!r}")
+        raise ExportOptionError(f"device must be 'cpu' (training runs on the CPU), got "
+                                f"{cfg.device!r}")
+    for name in ("steps", "prompts", "max_new_tokens", "draft_vocab", "ttt_steps"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ExportOptionError(f"{name} must be a positive integer, got {value!r}")
+    if cfg.temperature not in (0.0, 1.0) or not 0.0 <= cfg.validation < 1.0:
+        raise ExportOptionError(f"temperature must be 0 or 1 and validation in [0, 1), got "
+                                f"{cfg.temperature!r}, {cfg.validation!r}")
     started = time.perf_counter()
     torch.manual_seed(cfg.seed)
     ckpt = dst.load_target(source, progress=progress)
@@ -80,6 +86,7 @@ def train_head(source: str | None, out: str | Path, cfg: TrainConfig = TrainConf
                           cache=Path(cache) if cache is not None else None, report=say)
     n_val = int(len(samples) * cfg.validation)
     train_s, val_s = samples[n_val:], samples[:n_val]
+    say(f"teacher-forcing {len(samples)} samples")
     teach = [teacher_force(model, s.ids, layers, answer_start=s.answer_start) for s in samples]
     train_t, val_t = teach[n_val:], teach[:n_val]
     vocab = spec.vocab_size

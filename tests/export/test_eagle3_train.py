@@ -137,3 +137,13 @@ def test_the_first_step_is_the_reference_forward(tmp_path):
                        embed(ref_head, t.ids[1:].numpy(), table.numpy()), np.arange(m))
     np.testing.assert_allclose(step0.numpy(), ref.logits.numpy(), atol=1e-4, rtol=1e-4)
     assert sample_loss(head, t, table, kept, steps=3, decay=0.8)[0].item() > 0
+
+
+@pytest.mark.parametrize("bad", [dict(steps=0), dict(draft_vocab=-1), dict(device="cuda"),
+                                 dict(temperature=0.5)])
+def test_bad_options_are_refused_before_any_work(tmp_path, bad):
+    from ortspec.export import ExportOptionError
+
+    with pytest.raises(ExportOptionError):
+        train_head("/nonexistent", tmp_path / "h", TrainConfig(**bad), progress=False)
+    assert not (tmp_path / "h").exists()
