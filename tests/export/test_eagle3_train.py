@@ -1,0 +1,149 @@
+"""EAGLE-3 head training (export/eagle3_train/) on a tiny random Llama of 8 layers: the pipeline
+end to end writes a speculators checkpoint that export/eagle3.py reads and `export_model(...,
+draft_head=...)` imports; the trainable layer's first step is eagle3_reference's forward; the
+loss falls on a fixed sample; the prompts never include a held-out Spec-Bench id; the vocabulary
+maps round-trip; the manifest records seed and sources; one seed gives one set of weights."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ortspec.export import export_model
+from ortspec.export.eagle3 import Eagle3Target, read_eagle3_head
+from ortspec.export.eagle3_export import HEAD_DIR
+from ortspec.export.eagle3_reference import embed, head_forward, project_aux
+from ortspec.export.eagle3_train import TrainConfig, train_head
+from ortspec.export.eagle3_train.loop import HeadShape, TrainableHead, sample_loss, train
+from ortspec.export.eagle3_train.prompts import SPEC_BENCH, spec_bench_dev_prompts, \
+    training_prompts
+from ortspec.export.eagle3_train.teacher import Teacher
+from ortspec.export.eagle3_train.vocab import draft_vocab, maps, target_ids
+from ortspec.export.tiny import VOCAB, make_tiny_llama
+from ortspec.runtime.ort import manifest as mf
+
+pytestmark = pytest.mark.slow  # builds a torch checkpoint, distils and trains
+
+LAYERS, HIDDEN = 8, 64
+CFG = TrainConfig(steps=6, prompts=4, max_new_tokens=8, max_prompt_chars=60, draft_vocab=100,
+                  seed=7, validation=0.25)
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("src") / "tiny-llama8", seed=4,
+                           num_hidden_layers=LAYERS)
+
+
+@pytest.fixture(scope="module")
+def trained(src, tmp_path_factory):
+    out = tmp_path_factory.mktemp("head") / "head"
+    return train_head(str(src), out, CFG, progress=False)
+
+
+def test_the_written_head_reads_and_imports(src, trained, tmp_path):
+    head = read_eagle3_head(trained.out, target=Eagle3Target(HIDDEN, VOCAB, LAYERS))
+    assert head.source_format == "speculators" and head.draft_vocab_size == 100
+    assert head.layer_ids == (2, 4, 5) and not head.has_own_embedding
+    out = export_model(src, out=tmp_path / "exp", capacity=64, max_verify_len=4,
+                       progress=False, draft_head=trained.out)
+    assert mf.read_manifest(out).draft_head == HEAD_DIR
+
+
+def test_the_manifest_records_seed_sources_and_hashes(trained):
+    data = json.loads((trained.out / "data_manifest.json").read_text())
+    recipe = json.loads((trained.out / "recipe.json").read_text())
+    assert data["seed"] == recipe["seed"] == CFG.seed and recipe["steps"] == CFG.steps
+    assert set(data["sources"]) <= {"spec-bench-dev", "self-instruct"}
+    assert all(s["licence"] for s in data["sources"].values())
+    assert data["train_tokens"] == sum(s["tokens"] for s in data["samples"]
+                                       if s["split"] == "train") > 0
+    import hashlib
+    for name, digest in data["files"].items():
+        assert hashlib.sha256((trained.out / name).read_bytes()).hexdigest() == digest
+
+
+def test_prompts_never_take_a_held_out_spec_bench_id():
+    dev = spec_bench_dev_prompts()
+    assert len(dev) == 240 and all(int(p.ident.split(":")[1]) % 2 == 0 for p in dev)
+    for seed in range(5):
+        for p in training_prompts(300, seed=seed, self_instruct=0.1):
+            if p.source == SPEC_BENCH:
+                assert int(p.ident.split(":")[1]) % 2 == 0
+
+
+def test_vocab_maps_round_trip():
+    seqs = [[5, 5, 5, 9, 9, 300, 1], [9, 2, 2]]
+    kept = draft_vocab(seqs, size=6, vocab=VOCAB)
+    assert kept.tolist() == [0, 1, 2, 5, 9, 300]  # the 5 seen tokens, topped up with id 0
+    d2t, t2d = maps(kept, VOCAB)
+    assert torch.equal(target_ids(d2t), kept)
+    assert torch.equal(torch.nonzero(t2d).flatten(), kept)
+    assert draft_vocab(seqs, size=3, vocab=VOCAB).tolist() == [2, 5, 9]
+
+
+def _fixed(seed=0, n=12, vocab=40):
+    g = torch.Generator().manual_seed(seed)
+    shape = HeadShape(16, 2, 1, 8, 32, 1e-5, 1e4, 512, vocab)
+    ids = torch.randint(0, vocab, (n,), generator=g)
+    t = Teacher(ids, torch.randn(n, 48, generator=g),
+                torch.log_softmax(3 * torch.randn(n, vocab, generator=g), -1), 0)
+    table = torch.randn(vocab, 16, generator=g)
+    return shape, t, table, torch.arange(vocab)
+
+
+def _head(shape, seed):
+    return TrainableHead(shape, target_hidden=16, lm_head_init=torch.zeros(shape.draft_vocab, 16),
+                         seed=seed)
+
+
+def test_the_loss_falls_on_a_fixed_sample():
+    shape, t, table, kept = _fixed()
+    head = _head(shape, 0)
+    r = train(head, [t], table, kept, steps=40, lr=3e-3, seed=0)
+    assert np.mean(r.losses[-5:]) < 0.8 * np.mean(r.losses[:5])
+
+
+def test_one_seed_gives_one_set_of_weights():
+    shape, t, table, kept = _fixed()
+    states = []
+    for seed in (3, 3, 4):
+        head = _head(shape, seed)
+        train(head, [t], table, kept, steps=3, seed=seed)
+        states.append(head.state())
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    assert not all(torch.equal(states[0][k], states[2][k]) for k in states[0])
+
+
+def test_the_first_step_is_the_reference_forward(tmp_path):
+    """Write a trainable head and read it back: its unrolled step 0 is head_forward."""
+    from ortspec.export.eagle3_train.write import speculators_config, write_head
+
+    shape, t, table, kept = _fixed()
+    head = _head(shape, 1)
+    train(head, [t], table, kept, steps=2, seed=1)
+    d2t, t2d = maps(kept, shape.draft_vocab)
+    write_head(tmp_path / "h", dict(head.state(), d2t=d2t, t2d=t2d),
+               speculators_config(shape, vocab=shape.draft_vocab, target_hidden=16,
+                                  layer_ids=(2, 4, 5)), recipe={}, data={})
+    ref_head = read_eagle3_head(tmp_path / "h")
+    m = t.ids.numel() - 1
+    with torch.no_grad():
+        step0 = head.unroll(t.aux[:m], table[t.ids[1:]], 1)[0]
+    ref = head_forward(ref_head, project_aux(ref_head, t.aux[:m].numpy()),
+                       embed(ref_head, t.ids[1:].numpy(), table.numpy()), np.arange(m))
+    np.testing.assert_allclose(step0.numpy(), ref.logits.numpy(), atol=1e-4, rtol=1e-4)
+    assert sample_loss(head, t, table, kept, steps=3, decay=0.8)[0].item() > 0
+
+
+@pytest.mark.parametrize("bad", [dict(steps=0), dict(draft_vocab=-1), dict(device="cuda"),
+                                 dict(temperature=0.5)])
+def test_bad_options_are_refused_before_any_work(tmp_path, bad):
+    from ortspec.export import ExportOptionError
+
+    with pytest.raises(ExportOptionError):
+        train_head("/nonexistent", tmp_path / "h", TrainConfig(**bad), progress=False)
+    assert not (tmp_path / "h").exists()
