@@ -54,13 +54,17 @@ class System:
     model_id: str  # the "model" field the server expects
 
 
-def heldout_prompts(n: int) -> list[str]:
-    """`n` held-out Spec-Bench first turns, the categories interleaved."""
+def heldout_questions(n: int) -> list:
+    """`n` held-out Spec-Bench questions (workload.BenchPrompt), the categories interleaved."""
     from .workload import CATEGORIES, interleave_categories, load_questions
 
     per_category = max(1, -(-n // len(CATEGORIES)))
-    qs = interleave_categories(load_questions(split="heldout", per_category=per_category))
-    return [q.text for q in qs[:n]]
+    return interleave_categories(load_questions(split="heldout", per_category=per_category))[:n]
+
+
+def heldout_prompts(n: int) -> list[str]:
+    """`n` held-out Spec-Bench first turns, the categories interleaved."""
+    return [q.text for q in heldout_questions(n)]
 
 
 def rotated(items: list, k: int) -> list:
