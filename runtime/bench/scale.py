@@ -11,8 +11,8 @@ product under `--work`:
 2. converts it with the llama.cpp checkout's own `convert_hf_to_gguf.py` (f16), quantizes that
    to Q4_1 laid out like the default model's GGUF (every matrix Q4_1, the tied embedding Q8_0),
    and requantizes the Q4_1 file to Q4_0, llama.cpp's fast CPU format;
-3. exports the Q4_1 file with ortspec's default precision (`quant=DEFAULT_QUANT`, the GGUF's
-   blocks exactly);
+3. exports the Q4_1 file with ortspec's default precision (`ortspec export Q4_1.gguf --quant
+   int4`, every other option at its default);
 4. starts `ortspec serve` (drafter none) and `llama-server` on the Q4_0 file, one slot each,
    the same threads, and sends every held-out Spec-Bench question (odd ids, nothing tuned on
    them) to both, one request at a time, streaming, greedy, the systems' order rotated from
@@ -34,12 +34,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 from . import provenance
-from ..errors import InvalidOptionError
+from ..errors import InvalidOptionError, OrtspecError
 from .llama_cpp import Q4_1_AS_SHIPPED, LlamaCpp, LlamaCppMissing, convert_hf, find_llama_cpp, \
     quantize, requantized, server_command
 from .server import ServerError, ServerProcess, free_port, ortspec_serve
@@ -47,6 +48,7 @@ from .serving import run_batch
 from .serving_llama import heldout_questions, rotated
 from .serving_report import percentile
 
+DEFAULT_QUANT = "int4"  # the export's default precision (export.graph_spec.DEFAULT_QUANT)
 SHAPES = ("360m", "1b")  # export.tiny.RANDOM_LLAMA_SHAPES' timed ones, read without torch
 SHORT_PROMPTS = ("multi-turn", "translation", "qa", "math_reasoning")
 ORTSPEC, LLAMA = "ortspec int4", "llama Q4_0"
@@ -75,16 +77,13 @@ def check_shapes(value: str) -> list[str]:
 
 def build(shape: str, llama: LlamaCpp, work: Path, *, log=print) -> Built:
     """The random checkpoint of `shape`, its GGUF files and ortspec's export, each made once
-    under `work/shape` and reused."""
-    from ortspec.export.api import export_model
-    from ortspec.export.graph_spec import DEFAULT_QUANT
-    from ortspec.export.tiny import make_random_llama
-
+    under `work/shape` and reused. The checkpoint and the export are made by the export's own
+    commands in subprocesses (the benchmark never imports the export)."""
     root = work / shape
     hf = root / "hf"
     if not (hf / "config.json").is_file():
         log(f"[{shape}] building the random checkpoint")
-        make_random_llama(hf, shape=shape)
+        _run([sys.executable, "-m", "ortspec.export.tiny", str(hf), "--shape", shape])
     log(f"[{shape}] converting to GGUF and quantizing")
     f16 = convert_hf(llama, hf, root / f"random-{shape}.f16.gguf")
     q4_1 = root / f"random-{shape}.Q4_1.gguf"
@@ -93,10 +92,17 @@ def build(shape: str, llama: LlamaCpp, work: Path, *, log=print) -> Built:
     q4_0 = requantized(llama, q4_1, "Q4_0", root)
     export = root / f"ortspec-{DEFAULT_QUANT}"
     if not (export / "manifest.json").is_file():
-        log(f"[{shape}] exporting {q4_1.name} with ortspec's defaults ({DEFAULT_QUANT})")
-        export_model(q4_1, out=export, quant=DEFAULT_QUANT, overwrite=export.exists(),
-                     progress=False)
+        log(f"[{shape}] exporting {q4_1.name} with ortspec's default precision ({DEFAULT_QUANT})")
+        _run([sys.executable, "-m", "ortspec.runtime.cli.main", "export", str(q4_1), "--out",
+              str(export), "--quant", DEFAULT_QUANT, "--overwrite", "--quiet"])
     return Built(hf, q4_1, q4_0, export)
+
+
+def _run(command: list[str]) -> None:
+    """`command`, its output passed through; OrtspecError naming it when it fails."""
+    r = subprocess.run(command)
+    if r.returncode != 0:
+        raise OrtspecError(f"{' '.join(command)} failed with status {r.returncode}")
 
 
 def race(built: Built, llama: LlamaCpp, questions: list, *, threads: int, max_tokens: int,
