@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=2048, help="llama-server's tokens")
     ap.add_argument("--reps", type=int, default=15, help="repetitions of the verify curve")
-    ap.add_argument("--work", default="benchmarks/tmp/scale",
+    ap.add_argument("--work", default="benchmarks/tmp/scale-work",
                     help="where checkpoints, GGUF files and exports are made and kept")
     ap.add_argument("--out", help="directory for results.json and results.md")
     args = ap.parse_args(argv)

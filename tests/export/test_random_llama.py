@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.slow  # builds torch checkpoints (the default model's tokenizer: passed in)
+pytestmark = pytest.mark.slow  # builds torch checkpoints
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
