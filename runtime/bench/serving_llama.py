@@ -2,11 +2,12 @@
 
     python -m ortspec.runtime.bench.serving_llama --llama-cpp DIR [--model DIR] [--gguf FILE]
         [--concurrency 1,4,8] [--requests 8] [--rounds 2] [--max-tokens 64] [--threads 2]
-        [--prompts 8] [--out DIR]
+        [--prompts 8] [--drafter prompt-lookup] [--out DIR]
 
 Systems, each a server on 127.0.0.1, all started first and then measured in turn:
-- `ortspec plain` and `ortspec spec`: `ortspec serve` on the model directory (default: the
-  default model's batched export, `--attention window`), drafter none and auto;
+- `ortspec plain` and `ortspec <drafter>`: `ortspec serve` on the model directory (default:
+  the default model's batched export, `--attention window`), drafter none and `--drafter`
+  (default prompt-lookup; auto is the server's own choice);
 - `llama Q4_0` (and `llama Q4_0 ngram` where the build has n-gram speculation): llama-server
   on the GGUF requantized to Q4_0, llama.cpp's fast CPU format;
 - `llama Q4_1`: llama-server on the GGUF as shipped (the default model's is Q4_1).
@@ -115,7 +116,7 @@ def _systems(args, model_dir: Path) -> tuple[list[System], list[str]]:
     slots = str(max(levels))
     name = model_dir.name
     systems, skipped = [], []
-    for label, drafter in (("ortspec plain", "none"), ("ortspec spec", "auto")):
+    for label, drafter in (("ortspec plain", "none"), (f"ortspec {args.drafter}", args.drafter)):
         port = free_port()
         systems.append(System(label, ortspec_serve(
             model_dir, port, "--max-concurrent", slots, "--drafter", drafter, "--threads",
@@ -168,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gguf", help="the GGUF llama-server runs (default: the default model's)")
     ap.add_argument("--cache", default="benchmarks/tmp/llama-cpp",
                     help="where the Q4_0 requantization is kept")
+    ap.add_argument("--drafter", default="prompt-lookup",
+                    help="ortspec's speculative system's drafter (`ortspec serve --drafter`)")
     ap.add_argument("--concurrency", default="1,4,8")
     ap.add_argument("--requests", type=int, default=8, help="requests per batch")
     ap.add_argument("--rounds", type=int, default=2)
