@@ -16,7 +16,7 @@ product under `--work`:
 4. starts `ortspec serve` (drafter none) and `llama-server` on the Q4_0 file, one slot each,
    the same threads, and sends every held-out Spec-Bench question (odd ids, nothing tuned on
    them) to both, one request at a time, streaming, greedy, the systems' order rotated from
-   request to request; reported: tok/s with prefill (completion tokens over request time),
+   request to request (each server's log beside the export); reported: tok/s with prefill (completion tokens over request time),
    decoding tok/s (after the first text), per category and over the short-prompt categories
    (multi-turn, translation, qa, math_reasoning), as ortspec over llama-server;
 5. with the servers stopped, times ortspec's verify curve through the Decoder protocol: a step
@@ -125,7 +125,9 @@ def race(built: Built, llama: LlamaCpp, questions: list, *, threads: int, max_to
         for name, command, model_id in systems:  # one at a time: ortspec calibrates as it starts
             port = free_port()
             log(f"starting {name} ...")
-            servers[name] = (ServerProcess(command(port), port, ready_s=1200, stop_s=60), model_id)
+            log_file = built.export.parent / (name.replace(" ", "-") + ".log")
+            servers[name] = (ServerProcess(command(port), port, ready_s=1200, stop_s=60,
+                                           log=log_file), model_id)
         k = 0
         for rnd in range(rounds):
             for i, q in enumerate(questions):
@@ -269,14 +271,14 @@ def main(argv: list[str] | None = None) -> int:
             "parameters": _parameters(built.hf), "speed": compare(records),
             "verify_curve": curve, "records": records,
             "files": {k: str(v) for k, v in dataclasses.asdict(built).items()}}
-    results["seconds"] = time.time() - started
-    text = markdown(results)
-    print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
-        (out / "results.md").write_text(text, encoding="utf-8")
+        results["seconds"] = time.time() - started
+        if args.out:  # after every shape, so an interrupted run keeps the shapes it finished
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "results.json").write_text(json.dumps(results, indent=1) + "\n",
+                                              encoding="utf-8")
+            (out / "results.md").write_text(markdown(results), encoding="utf-8")
+    print(markdown(results))
     return 0
 
 

@@ -21,7 +21,8 @@ rounds), time to the first streamed text p50 / p90, and whether every output equ
 system's output for the same prompt at the lowest concurrency (stability under load).
 Prompts: held-out Spec-Bench questions (odd ids), which nothing in ortspec is tuned on.
 Without llama.cpp (`--llama-cpp`, `$ORTSPEC_LLAMA_CPP`) the llama systems are skipped with
-the reason printed.
+the reason printed. `--out DIR` gets results.json and results.md, rewritten after every round
+(an interrupted run keeps the rounds it finished), and each server's log.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -159,6 +161,17 @@ def gguf_of(model_dir: Path) -> Path:
     return found
 
 
+def _log_name(system: str) -> str:
+    return system.replace(" ", "-") + ".log"
+
+
+def _write(out: Path, results: dict, batches: dict[tuple[str, int], list[dict]]) -> None:
+    """results.json (with every batch) and results.md (the table) in `out`."""
+    (out / "results.json").write_text(json.dumps({**results, "batches": {
+        f"{n}/{c}": v for (n, c), v in batches.items()}}, indent=1) + "\n", encoding="utf-8")
+    (out / "results.md").write_text(table(results), encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
     from ortspec.runtime.cli.args import model_arg
 
@@ -178,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=2048, help="llama-server's tokens per slot")
     ap.add_argument("--prompts", type=int, default=8, help="held-out Spec-Bench questions")
-    ap.add_argument("--out", help="directory for results.json and results.md")
+    ap.add_argument("--out", help="directory for results.json and results.md (rewritten after "
+                                  "every round) and the servers' logs")
     args = ap.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     model_dir = model_arg(args.model, prefer_batched=args.model is None)
@@ -189,11 +203,25 @@ def main(argv: list[str] | None = None) -> int:
     servers: dict[str, ServerProcess] = {}
     batches: dict[tuple[str, int], list[dict]] = {(s.name, c): [] for s in systems for c in levels}
     started = time.time()
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="serving-llama-"))
+    out.mkdir(parents=True, exist_ok=True)
+    names = [s.name for s in systems]
+
+    def record(rounds_done: int) -> dict:
+        return {"levels": levels, "systems": names, "skipped": skipped,
+                "rounds_done": rounds_done,
+                "summary": {f"{n}/{c}": summarise(batches[n, c]) for n in names for c in levels},
+                "stability": stability(batches, names, levels),
+                "settings": {k: v for k, v in vars(args).items()}, "model": str(model_dir),
+                "commands": {s.name: s.command for s in systems},
+                "machine": provenance.machine(), "versions": provenance.versions(VERSIONS),
+                "started": started, "seconds": time.time() - started}
+
     try:
         for s in systems:  # one at a time: ortspec measures its cost curve as it starts
-            print(f"starting {s.name} ...", file=sys.stderr)
+            print(f"starting {s.name} (its log: {out / _log_name(s.name)}) ...", file=sys.stderr)
             servers[s.name] = ServerProcess(s.command, s.port, ready_path=s.ready_path,
-                                            ready_s=600, stop_s=60)
+                                            ready_s=600, stop_s=60, log=out / _log_name(s.name))
         k = 0
         for rnd in range(args.rounds):
             for c in levels:
@@ -204,27 +232,17 @@ def main(argv: list[str] | None = None) -> int:
                     batches[s.name, c].append(b)
                     print(f"round {rnd + 1} c={c} {s.name}: {b['tokens'] / b['wall_s']:.1f} tok/s",
                           file=sys.stderr)
+            if args.out:  # every round's record, so an interrupted run keeps what it measured
+                _write(out, record(rnd + 1), batches)
     except ServerError as e:
         raise SystemExit(str(e)) from None
     finally:
         for server in servers.values():
             server.stop()
-    names = [s.name for s in systems]
-    results = {"levels": levels, "systems": names, "skipped": skipped,
-               "summary": {f"{n}/{c}": summarise(batches[n, c]) for n in names for c in levels},
-               "stability": stability(batches, names, levels),
-               "settings": {k: v for k, v in vars(args).items()}, "model": str(model_dir),
-               "commands": {s.name: s.command for s in systems},
-               "machine": provenance.machine(), "versions": provenance.versions(VERSIONS),
-               "started": started, "seconds": time.time() - started}
-    text = table(results)
-    print(text)
+    results = record(args.rounds)
+    print(table(results))
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps({**results, "batches": {
-            f"{n}/{c}": v for (n, c), v in batches.items()}}, indent=1) + "\n", encoding="utf-8")
-        (out / "results.md").write_text(text, encoding="utf-8")
+        _write(out, results, batches)
     return 0
 
 
