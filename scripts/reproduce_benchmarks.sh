@@ -9,8 +9,8 @@
 #
 # Directories: dev-t0 dev-t1 draft-length draft-model drafters-with-q shared-kv-draft
 # dev-split-draft candidate-mass int4-dev-t0 int4-sym4-dev-t0 serve serve-batched
-# int4-quality, and int4-vs-genai and llama-server (not in the default set: they need the
-# anchors' environment, made by scripts/setup_anchors.sh, and a llama.cpp build).
+# int4-quality, and int4-vs-genai, llama-server and scale (not in the default set: they need
+# the anchors' environment, made by scripts/setup_anchors.sh, and a llama.cpp build).
 # Each run interleaves its methods per prompt, so only the ratios and counts are evidence;
 # absolute tokens/s drift with the machine.
 set -euo pipefail
@@ -163,12 +163,20 @@ run_llama-server() {
   $PY -m ortspec.runtime.bench.serving_llama --concurrency 1,4,8 --requests 8 --rounds 2 \
       --max-tokens 64 --threads 2 --out $OUT/llama-server
 }
+# 13. plain decoding against llama-server Q4_0 on random-weight Llamas of 360M and 1.07B
+# parameters, and ortspec's verify curve (needs $ORTSPEC_LLAMA_CPP, the llama.cpp checkout with
+# its build: docs/benchmarks/scale/README.md); checkpoints, GGUF files and exports are kept in
+# benchmarks/tmp/scale-work
+run_scale() {
+  $PY -m ortspec.runtime.bench.scale --shapes 360m,1b --prompts 12 --max-tokens 64 --rounds 2 \
+      --threads 2 --work benchmarks/tmp/scale-work --out $OUT/scale
+}
 
 ALL=(dev-t0 dev-t1 draft-length draft-model drafters-with-q shared-kv-draft dev-split-draft
      candidate-mass int4-dev-t0 int4-sym4-dev-t0 serve serve-batched int4-quality)
 for name in "${@:-${ALL[@]}}"; do
   if ! declare -F "run_$name" >/dev/null; then
-    echo "unknown directory: $name (one of: ${ALL[*]} int4-vs-genai llama-server)" >&2
+    echo "unknown directory: $name (one of: ${ALL[*]} int4-vs-genai llama-server scale)" >&2
     exit 2
   fi
   echo "== $name -> $OUT/" >&2

@@ -1,5 +1,6 @@
-"""llama.cpp as a peer in the benchmarks: finding its binaries, requantizing a GGUF, and the
-command line of `llama-server`.
+"""llama.cpp as a peer in the benchmarks: finding its binaries (and the checkout's
+`convert_hf_to_gguf.py`), converting a Hugging Face checkpoint to GGUF, quantizing and
+requantizing a GGUF, and the command line of `llama-server`.
 
 Nothing here builds or downloads llama.cpp. Build it from the copy the `llama-cpp-python`
 sdist vendors (docs/benchmarks/llama-server/README.md says how), then point the benchmarks at
@@ -13,12 +14,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 from ..errors import OrtspecError
 
 LLAMA_CPP_ENV = "ORTSPEC_LLAMA_CPP"
 SERVER, QUANTIZE = "llama-server", "llama-quantize"
+CONVERTER = "convert_hf_to_gguf.py"
+# a Q4_1 file laid out like the default model's: every matrix Q4_1, the (tied) embedding Q8_0
+Q4_1_AS_SHIPPED = ("--pure", "--token-embedding-type", "q8_0")
 
 
 class LlamaCppMissing(OrtspecError):
@@ -64,15 +69,60 @@ def requantized(llama: LlamaCpp, gguf: Path, kind: str, cache: Path) -> Path:
     """`gguf` requantized to `kind` (e.g. "Q4_0", llama.cpp's fast CPU format) with
     `llama-quantize --allow-requantize`, made once into `cache` and reused."""
     out = cache / f"{gguf.stem}.{kind}.gguf"
-    if out.is_file() and out.stat().st_mtime >= gguf.stat().st_mtime:
+    if _fresh(out, gguf):
         return out
-    cache.mkdir(parents=True, exist_ok=True)
+    return quantize(llama, gguf, out, kind, flags=("--allow-requantize",))
+
+
+def quantize(llama: LlamaCpp, gguf: Path, out: Path, kind: str, *,
+             flags: tuple[str, ...] = ()) -> Path:
+    """`llama-quantize FLAGS gguf out kind`, written under a temporary name and moved into
+    place; OrtspecError quoting its output when it fails (nothing is left behind)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    r = subprocess.run([str(llama.quantize), "--allow-requantize", str(gguf), str(tmp), kind],
+    r = subprocess.run([str(llama.quantize), *flags, str(gguf), str(tmp), kind],
                        capture_output=True, text=True)
     if r.returncode != 0 or not tmp.is_file():
         tmp.unlink(missing_ok=True)
         raise OrtspecError(f"{QUANTIZE} {kind} of {gguf} failed ({r.returncode}): "
+                           f"{(r.stderr or r.stdout)[-800:]}")
+    os.replace(tmp, out)
+    return out
+
+
+def _fresh(out: Path, source: Path) -> bool:
+    """`out` exists and is no older than `source` (a cached product of it)."""
+    return out.is_file() and out.stat().st_mtime >= source.stat().st_mtime
+
+
+def converter(llama: LlamaCpp) -> Path:
+    """The `convert_hf_to_gguf.py` of the checkout `llama`'s binaries were built in (the
+    bin directory or one of its three parents); LlamaCppMissing when there is none."""
+    searched = [llama.bin_dir, *list(llama.bin_dir.parents)[:3]]
+    for d in searched:
+        if (d / CONVERTER).is_file() and (d / "gguf-py").is_dir():
+            return d / CONVERTER
+    raise LlamaCppMissing(f"no {CONVERTER} beside gguf-py/ in any of "
+                          f"{', '.join(str(d) for d in searched)}: pass the llama.cpp checkout "
+                          f"the binaries were built in")
+
+
+def convert_hf(llama: LlamaCpp, hf_dir: Path, out: Path, *, outtype: str = "f16") -> Path:
+    """The Hugging Face checkpoint `hf_dir` as a GGUF file `out` (`outtype` weights), by the
+    checkout's own converter with its own gguf-py, in this interpreter (it needs
+    transformers); made once and reused while newer than the checkpoint's config.json."""
+    if _fresh(out, hf_dir / "config.json"):
+        return out
+    script = converter(llama)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(script.parent / "gguf-py"), os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run([sys.executable, str(script), str(hf_dir), "--outfile", str(tmp),
+                        "--outtype", outtype], capture_output=True, text=True, env=env)
+    if r.returncode != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        raise OrtspecError(f"{CONVERTER} of {hf_dir} failed ({r.returncode}): "
                            f"{(r.stderr or r.stdout)[-800:]}")
     os.replace(tmp, out)
     return out

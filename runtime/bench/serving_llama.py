@@ -2,11 +2,12 @@
 
     python -m ortspec.runtime.bench.serving_llama --llama-cpp DIR [--model DIR] [--gguf FILE]
         [--concurrency 1,4,8] [--requests 8] [--rounds 2] [--max-tokens 64] [--threads 2]
-        [--prompts 8] [--out DIR]
+        [--prompts 8] [--drafter prompt-lookup] [--out DIR]
 
 Systems, each a server on 127.0.0.1, all started first and then measured in turn:
-- `ortspec plain` and `ortspec spec`: `ortspec serve` on the model directory (default: the
-  default model's batched export, `--attention window`), drafter none and auto;
+- `ortspec plain` and `ortspec <drafter>`: `ortspec serve` on the model directory (default:
+  the default model's batched export, `--attention window`), drafter none and `--drafter`
+  (default prompt-lookup; auto is the server's own choice);
 - `llama Q4_0` (and `llama Q4_0 ngram` where the build has n-gram speculation): llama-server
   on the GGUF requantized to Q4_0, llama.cpp's fast CPU format;
 - `llama Q4_1`: llama-server on the GGUF as shipped (the default model's is Q4_1).
@@ -20,7 +21,8 @@ rounds), time to the first streamed text p50 / p90, and whether every output equ
 system's output for the same prompt at the lowest concurrency (stability under load).
 Prompts: held-out Spec-Bench questions (odd ids), which nothing in ortspec is tuned on.
 Without llama.cpp (`--llama-cpp`, `$ORTSPEC_LLAMA_CPP`) the llama systems are skipped with
-the reason printed.
+the reason printed. `--out DIR` gets results.json and results.md, rewritten after every round
+(an interrupted run keeps the rounds it finished), and each server's log.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,13 +57,17 @@ class System:
     model_id: str  # the "model" field the server expects
 
 
-def heldout_prompts(n: int) -> list[str]:
-    """`n` held-out Spec-Bench first turns, the categories interleaved."""
+def heldout_questions(n: int) -> list:
+    """`n` held-out Spec-Bench questions (workload.BenchPrompt), the categories interleaved."""
     from .workload import CATEGORIES, interleave_categories, load_questions
 
     per_category = max(1, -(-n // len(CATEGORIES)))
-    qs = interleave_categories(load_questions(split="heldout", per_category=per_category))
-    return [q.text for q in qs[:n]]
+    return interleave_categories(load_questions(split="heldout", per_category=per_category))[:n]
+
+
+def heldout_prompts(n: int) -> list[str]:
+    """`n` held-out Spec-Bench first turns, the categories interleaved."""
+    return [q.text for q in heldout_questions(n)]
 
 
 def rotated(items: list, k: int) -> list:
@@ -111,7 +118,7 @@ def _systems(args, model_dir: Path) -> tuple[list[System], list[str]]:
     slots = str(max(levels))
     name = model_dir.name
     systems, skipped = [], []
-    for label, drafter in (("ortspec plain", "none"), ("ortspec spec", "auto")):
+    for label, drafter in (("ortspec plain", "none"), (f"ortspec {args.drafter}", args.drafter)):
         port = free_port()
         systems.append(System(label, ortspec_serve(
             model_dir, port, "--max-concurrent", slots, "--drafter", drafter, "--threads",
@@ -154,6 +161,17 @@ def gguf_of(model_dir: Path) -> Path:
     return found
 
 
+def _log_name(system: str) -> str:
+    return system.replace(" ", "-") + ".log"
+
+
+def _write(out: Path, results: dict, batches: dict[tuple[str, int], list[dict]]) -> None:
+    """results.json (with every batch) and results.md (the table) in `out`."""
+    (out / "results.json").write_text(json.dumps({**results, "batches": {
+        f"{n}/{c}": v for (n, c), v in batches.items()}}, indent=1) + "\n", encoding="utf-8")
+    (out / "results.md").write_text(table(results), encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
     from ortspec.runtime.cli.args import model_arg
 
@@ -164,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gguf", help="the GGUF llama-server runs (default: the default model's)")
     ap.add_argument("--cache", default="benchmarks/tmp/llama-cpp",
                     help="where the Q4_0 requantization is kept")
+    ap.add_argument("--drafter", default="prompt-lookup",
+                    help="ortspec's speculative system's drafter (`ortspec serve --drafter`)")
     ap.add_argument("--concurrency", default="1,4,8")
     ap.add_argument("--requests", type=int, default=8, help="requests per batch")
     ap.add_argument("--rounds", type=int, default=2)
@@ -171,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=2048, help="llama-server's tokens per slot")
     ap.add_argument("--prompts", type=int, default=8, help="held-out Spec-Bench questions")
-    ap.add_argument("--out", help="directory for results.json and results.md")
+    ap.add_argument("--out", help="directory for results.json and results.md (rewritten after "
+                                  "every round) and the servers' logs")
     args = ap.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     model_dir = model_arg(args.model, prefer_batched=args.model is None)
@@ -182,11 +203,25 @@ def main(argv: list[str] | None = None) -> int:
     servers: dict[str, ServerProcess] = {}
     batches: dict[tuple[str, int], list[dict]] = {(s.name, c): [] for s in systems for c in levels}
     started = time.time()
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="serving-llama-"))
+    out.mkdir(parents=True, exist_ok=True)
+    names = [s.name for s in systems]
+
+    def record(rounds_done: int) -> dict:
+        return {"levels": levels, "systems": names, "skipped": skipped,
+                "rounds_done": rounds_done,
+                "summary": {f"{n}/{c}": summarise(batches[n, c]) for n in names for c in levels},
+                "stability": stability(batches, names, levels),
+                "settings": {k: v for k, v in vars(args).items()}, "model": str(model_dir),
+                "commands": {s.name: s.command for s in systems},
+                "machine": provenance.machine(), "versions": provenance.versions(VERSIONS),
+                "started": started, "seconds": time.time() - started}
+
     try:
         for s in systems:  # one at a time: ortspec measures its cost curve as it starts
-            print(f"starting {s.name} ...", file=sys.stderr)
+            print(f"starting {s.name} (its log: {out / _log_name(s.name)}) ...", file=sys.stderr)
             servers[s.name] = ServerProcess(s.command, s.port, ready_path=s.ready_path,
-                                            ready_s=600, stop_s=60)
+                                            ready_s=600, stop_s=60, log=out / _log_name(s.name))
         k = 0
         for rnd in range(args.rounds):
             for c in levels:
@@ -197,27 +232,17 @@ def main(argv: list[str] | None = None) -> int:
                     batches[s.name, c].append(b)
                     print(f"round {rnd + 1} c={c} {s.name}: {b['tokens'] / b['wall_s']:.1f} tok/s",
                           file=sys.stderr)
+            if args.out:  # every round's record, so an interrupted run keeps what it measured
+                _write(out, record(rnd + 1), batches)
     except ServerError as e:
         raise SystemExit(str(e)) from None
     finally:
         for server in servers.values():
             server.stop()
-    names = [s.name for s in systems]
-    results = {"levels": levels, "systems": names, "skipped": skipped,
-               "summary": {f"{n}/{c}": summarise(batches[n, c]) for n in names for c in levels},
-               "stability": stability(batches, names, levels),
-               "settings": {k: v for k, v in vars(args).items()}, "model": str(model_dir),
-               "commands": {s.name: s.command for s in systems},
-               "machine": provenance.machine(), "versions": provenance.versions(VERSIONS),
-               "started": started, "seconds": time.time() - started}
-    text = table(results)
-    print(text)
+    results = record(args.rounds)
+    print(table(results))
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps({**results, "batches": {
-            f"{n}/{c}": v for (n, c), v in batches.items()}}, indent=1) + "\n", encoding="utf-8")
-        (out / "results.md").write_text(text, encoding="utf-8")
+        _write(out, results, batches)
     return 0
 
 

@@ -12,7 +12,9 @@ GENERATED = "<!-- written by ortspec.runtime.bench.serving -->"
 GENERATED_BEFORE = ("<!-- written by scripts/bench_serve.py -->",)
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The `q`th percentile of `values` (non-empty): the sorted value at index
+    round(q / 100 * (n - 1)), no interpolation."""
     values = sorted(values)
     return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
 
@@ -25,9 +27,9 @@ def summarise(batches: list[dict]) -> dict:
            "tok_s_median": statistics.median(tok_s), "tok_s_min": min(tok_s),
            "tok_s_max": max(tok_s)}
     for q in (50, 90, 99):
-        out[f"latency_p{q}_s"] = _percentile(latency, q)
+        out[f"latency_p{q}_s"] = percentile(latency, q)
     for q in (50, 90, 99):
-        out[f"ttft_p{q}_s"] = _percentile(ttft, q)
+        out[f"ttft_p{q}_s"] = percentile(ttft, q)
     return out
 
 

@@ -157,3 +157,102 @@ def test_llama_server_runs_the_gguf_the_model_was_exported_from(tiny_dir, tmp_pa
     assert gguf_of(_with_source(tiny_dir, {"kind": "gguf", "path": str(own)})) == own
     with pytest.raises(OrtspecError, match="not exported from a GGUF"):
         gguf_of(_with_source(tiny_dir, {"kind": "hf", "path": str(tmp_path)}))
+
+
+def test_a_quantization_passes_its_flags_before_the_files(tmp_path):
+    bin_dir = _fake_build(tmp_path)
+    _script(bin_dir / lc.QUANTIZE, f"""import shutil, sys
+open({str(tmp_path / 'argv')!r}, "w").write(" ".join(sys.argv[1:]))
+shutil.copy(sys.argv[-3], sys.argv[-2])
+""")
+    f16 = tmp_path / "m.f16.gguf"
+    f16.write_bytes(b"GGUF f16")
+    out = lc.quantize(lc.find_llama_cpp(bin_dir), f16, tmp_path / "q" / "m.Q4_1.gguf", "Q4_1",
+                      flags=lc.Q4_1_AS_SHIPPED)
+    assert out.read_bytes() == b"GGUF f16" and [p.name for p in out.parent.iterdir()] == [out.name]
+    tmp = (tmp_path / "argv").read_text().split()[-2]
+    assert (tmp_path / "argv").read_text() == \
+        f"--pure --token-embedding-type q8_0 {f16} {tmp} Q4_1"
+
+
+def test_the_converter_is_the_checkouts_own_and_its_output_is_reused(tmp_path):
+    llama = lc.find_llama_cpp(_fake_build(tmp_path))
+    with pytest.raises(lc.LlamaCppMissing, match="no convert_hf_to_gguf.py beside gguf-py/"):
+        lc.converter(llama)
+    (tmp_path / "gguf-py" / "gguf").mkdir(parents=True)
+    (tmp_path / "gguf-py" / "gguf" / "__init__.py").write_text("WHERE = 'vendored'\n")
+    _script(tmp_path / lc.CONVERTER, f"""import sys, gguf
+args = sys.argv[1:]
+open({str(tmp_path / 'runs')!r}, "a").write(args[args.index("--outtype") + 1] + "\\n")
+open(args[args.index("--outfile") + 1], "w").write(gguf.WHERE + " " + args[0])
+""")
+    assert lc.converter(llama) == tmp_path / lc.CONVERTER
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    out = lc.convert_hf(llama, hf, tmp_path / "out" / "m.f16.gguf")
+    assert out.read_text() == f"vendored {hf}"  # the checkout's gguf-py, not an installed one
+    assert lc.convert_hf(llama, hf, out) == out
+    assert (tmp_path / "runs").read_text().split() == ["f16"]  # once
+
+
+def test_percentiles_take_the_sorted_value_at_the_rounded_rank():
+    from ortspec.runtime.bench.serving_report import percentile
+
+    values = [0.5, 0.1, 0.4, 0.2, 0.3]
+    assert [percentile(values, q) for q in (0, 50, 90, 100)] == [0.1, 0.3, 0.5, 0.5]
+    assert percentile([7.0], 90) == 7.0
+
+
+def _record(system: str, category: str, tokens: int, latency: float, ttft: float) -> dict:
+    return {"system": system, "round": 0, "prompt": 0, "category": category, "tokens": tokens,
+            "latency_s": latency, "ttft_s": ttft}
+
+
+def test_scale_compares_speeds_by_category_short_prompts_and_overall():
+    from ortspec.runtime.bench import scale
+
+    o, ll = scale.ORTSPEC, scale.LLAMA
+    records = [_record(o, "qa", 64, 2.0, 0.5), _record(ll, "qa", 64, 1.0, 0.2),
+               _record(o, "rag", 64, 4.0, 2.0), _record(ll, "rag", 64, 4.0, 1.0)]
+    s = scale.speed(records[:1])
+    assert s["tok_s"] == 32.0 and s["decode_tok_s"] == 63 / 1.5 and s["ttft_p50_s"] == 0.5
+    rows = {r["group"]: r for r in scale.compare(records)}
+    assert list(rows) == ["qa", "rag", "short prompts", "all"]
+    assert rows["qa"]["ratio"] == 0.5 and rows["rag"]["ratio"] == 1.0
+    assert rows["short prompts"]["ratio"] == rows["qa"]["ratio"]  # rag is not a short prompt
+    assert rows["all"]["ratio"] == (128 / 6.0) / (128 / 5.0)
+    assert rows["qa"]["decode_ratio"] == (63 / 1.5) / (63 / 0.8)
+
+
+def test_scale_tables_give_each_shapes_ratios_and_verify_curve():
+    from ortspec.runtime.bench import scale
+
+    o, ll = scale.ORTSPEC, scale.LLAMA
+    records = [_record(o, "qa", 64, 2.0, 0.5), _record(ll, "qa", 64, 1.0, 0.5)]
+    results = {"shapes": {"360m": {
+        "parameters": 361_821_120, "speed": scale.compare(records),
+        "verify_curve": {"context": 256, "reps": 5, "step_ms": 20.0,
+                         "ratio": {"1": 1.0, "2": 1.1, "4": 1.3, "8": 1.9}}}}}
+    text = scale.markdown(results)
+    assert "### 360m (0.36B parameters)" in text
+    assert "| qa | 32.0 | 64.0 | **0.50x** | 0.33x | 0.50 / 0.50 |" in text  # 42 / 126 decoding
+    assert "| all | 32.0 | 64.0 | **0.50x** |" in text
+    assert "ortspec's step: 20.0 ms after 256 tokens" in text
+    assert "| c(1)/c(1) | c(2)/c(1) | c(4)/c(1) | c(8)/c(1) |" in text
+    assert "| 1.00 | 1.10 | 1.30 | 1.90 |" in text
+
+
+def test_scale_refuses_unknown_shapes_and_says_when_llama_cpp_is_missing(monkeypatch, capsys):
+    from ortspec.runtime.bench import scale
+    from ortspec.runtime.errors import InvalidOptionError
+
+    with pytest.raises(InvalidOptionError, match="--shapes takes a comma-separated list of "
+                                                 "360m, 1b; got '360m,7b'"):
+        scale.check_shapes("360m,7b")
+    assert scale.check_shapes(" 1b, 360m") == ["1b", "360m"]
+    monkeypatch.delenv(lc.LLAMA_CPP_ENV, raising=False)
+    assert scale.main(["--shapes", "360m"]) == 2  # before anything is built
+    assert "llama.cpp not given: pass --llama-cpp DIR" in capsys.readouterr().err
+    assert scale.main(["--shapes", "7b"]) == 2
+    assert "--shapes takes" in capsys.readouterr().err
