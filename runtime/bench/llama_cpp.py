@@ -78,14 +78,19 @@ def quantize(llama: LlamaCpp, gguf: Path, out: Path, kind: str, *,
              flags: tuple[str, ...] = ()) -> Path:
     """`llama-quantize FLAGS gguf out kind`, written under a temporary name and moved into
     place; OrtspecError quoting its output when it fails (nothing is left behind)."""
+    return _write_by(lambda tmp: [str(llama.quantize), *flags, str(gguf), str(tmp), kind], out,
+                     what=f"{QUANTIZE} {kind} of {gguf}")
+
+
+def _write_by(command, out: Path, *, what: str, env: dict[str, str] | None = None) -> Path:
+    """Run `command(tmp)`, a tool that writes the file `tmp`, then move it to `out`;
+    OrtspecError quoting the tool's output when it fails (nothing is left behind)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    r = subprocess.run([str(llama.quantize), *flags, str(gguf), str(tmp), kind],
-                       capture_output=True, text=True)
+    r = subprocess.run(command(tmp), capture_output=True, text=True, env=env)
     if r.returncode != 0 or not tmp.is_file():
         tmp.unlink(missing_ok=True)
-        raise OrtspecError(f"{QUANTIZE} {kind} of {gguf} failed ({r.returncode}): "
-                           f"{(r.stderr or r.stdout)[-800:]}")
+        raise OrtspecError(f"{what} failed ({r.returncode}): {(r.stderr or r.stdout)[-800:]}")
     os.replace(tmp, out)
     return out
 
@@ -114,18 +119,11 @@ def convert_hf(llama: LlamaCpp, hf_dir: Path, out: Path, *, outtype: str = "f16"
     if _fresh(out, hf_dir / "config.json"):
         return out
     script = converter(llama)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         filter(None, [str(script.parent / "gguf-py"), os.environ.get("PYTHONPATH")]))}
-    r = subprocess.run([sys.executable, str(script), str(hf_dir), "--outfile", str(tmp),
-                        "--outtype", outtype], capture_output=True, text=True, env=env)
-    if r.returncode != 0 or not tmp.is_file():
-        tmp.unlink(missing_ok=True)
-        raise OrtspecError(f"{CONVERTER} of {hf_dir} failed ({r.returncode}): "
-                           f"{(r.stderr or r.stdout)[-800:]}")
-    os.replace(tmp, out)
-    return out
+    return _write_by(lambda tmp: [sys.executable, str(script), str(hf_dir), "--outfile", str(tmp),
+                                  "--outtype", outtype], out, what=f"{CONVERTER} of {hf_dir}",
+                     env=env)
 
 
 def server_command(llama: LlamaCpp, gguf: Path, port: int, *, threads: int, parallel: int,
