@@ -367,3 +367,21 @@ def verify_block(
     p_target = warp(logits[k], temperature=temperature, top_k=top_k, top_p=top_p)
     out.append(sample_from(p_target, rng))
     return BlockOutcome(out, k, False, p_target)
+
+
+def draw_draft(logits: np.ndarray, rng: np.random.Generator, *, temperature: float,
+               top_k: int | None, top_p: float | None,
+               ids: np.ndarray | None = None) -> tuple[int, DraftDist]:
+    """One drafted token from a model's `logits` ([n]) and the exact distribution it was drawn
+    from: at temperature 0 the argmax as a point mass, else a draw from `warp(logits)` under
+    the options. `ids` ([n] distinct int64): the token id of entry i (a draft head's target
+    ids over its reduced vocabulary); None: entry i is token i."""
+    if temperature == 0:
+        i = int(np.argmax(logits))
+        tok = i if ids is None else int(ids[i])
+        return tok, DraftDist.point(tok)
+    q = warp(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    i = sample_from(q, rng)
+    if ids is None:
+        return i, DraftDist.from_warped(q)
+    return int(ids[i]), DraftDist.from_warped_mapped(q, ids)

@@ -63,9 +63,10 @@ class PaidDrafter(Drafter, Protocol):
 
 
 class CostAwareDrafter:
-    """`free` (drafting costs nothing) or `paid` (a draft model or an EAGLE-3 head), whichever the request's policy
-    expects to emit more tokens per second this step (see the module docstring). Without a
-    policy: `free`'s block when it has one, else `paid`'s (FallbackDrafter's order).
+    """`free` (drafting costs nothing) or `paid` (a draft model or an EAGLE-3 head), whichever
+    the request's policy expects to emit more tokens per second this step (see the module
+    docstring). Without a policy: `free`'s block when it has one, else `paid`'s
+    (FallbackDrafter's order).
 
     `chosen` counts the steps each drafted ({"free": n, "paid": n})."""
 

@@ -37,7 +37,7 @@ from ..errors import DrafterError, InvalidOptionError
 from ..decoding.history import TokenHistory
 from ..ort.decoder import OrtDecoder
 from ..decoding.protocols import Decoder, DraftLengthPolicy, DrafterBase, as_decoder
-from ..decoding.sampling import DraftBlock, DraftDist, check_sampling_options, sample_from, warp
+from ..decoding.sampling import DraftBlock, DraftDist, check_sampling_options, draw_draft
 from ..validation import check_int
 
 if TYPE_CHECKING:
@@ -206,13 +206,8 @@ class DraftModelDrafter(DrafterBase):
         tokens: list[int] = []
         dists: list[DraftDist] = []
         for i in range(k):
-            if self.temperature == 0:
-                tok = int(np.argmax(logits))
-                dist = DraftDist.point(tok)
-            else:
-                q = warp(logits, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
-                tok = sample_from(q, self._rng)
-                dist = DraftDist.from_warped(q)
+            tok, dist = draw_draft(logits, self._rng, temperature=self.temperature,
+                                   top_k=self.top_k, top_p=self.top_p)
             tokens.append(tok)
             dists.append(dist)
             if i + 1 < k:

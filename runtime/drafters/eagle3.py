@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from ..decoding.protocols import DraftHead, DraftLengthPolicy, DrafterBase, HiddenStateSource
-from ..decoding.sampling import DraftBlock, DraftDist, check_sampling_options, sample_from, warp
+from ..decoding.sampling import DraftBlock, DraftDist, check_sampling_options, draw_draft
 from ..errors import DrafterError
 from ..validation import check_int
 
@@ -132,14 +132,8 @@ class Eagle3Drafter(DrafterBase):
             tokens: list[int] = []
             dists: list[DraftDist] = []
             for i in range(k):
-                if self.temperature == 0:
-                    tok = int(target_ids[int(np.argmax(logits))])
-                    dist = DraftDist.point(tok)
-                else:
-                    q = warp(logits, temperature=self.temperature, top_k=self.top_k,
-                             top_p=self.top_p)  # [Vd]
-                    tok = int(target_ids[sample_from(q, self._rng)])
-                    dist = DraftDist.from_warped_mapped(q, target_ids)
+                tok, dist = draw_draft(logits, self._rng, temperature=self.temperature,
+                                       top_k=self.top_k, top_p=self.top_p, ids=target_ids)
                 tokens.append(tok)
                 dists.append(dist)
                 if i + 1 < k:
