@@ -32,11 +32,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=["cpu"], default="cpu",
                    help="training device (CPU only so far)")
     p.add_argument("--cache", default=None, help="directory caching the distilled answers")
+    p.add_argument("--runtime-model", default=None,
+                   help="an ortspec export of the same target (a window export decodes several "
+                        "answers at once): it writes the answers instead of PyTorch")
+    p.add_argument("--sampled-copies", type=int, default=0,
+                   help="answer each prompt this many more times at T=1 (needs --runtime-model)")
+    p.add_argument("--workers", type=int, default=8,
+                   help="concurrent requests of the runtime distiller")
+    p.add_argument("--self-instruct", type=float, default=0.25,
+                   help="share of self-instruct prompts")
     a = p.parse_args(argv)
     cfg = TrainConfig(steps=a.steps, prompts=a.prompts, max_new_tokens=a.max_new_tokens,
                       max_prompt_chars=a.max_prompt_chars, draft_vocab=a.draft_vocab,
                       seed=a.seed, temperature=a.temperature, ttt_steps=a.ttt_steps, lr=a.lr,
-                      device=a.device)
+                      device=a.device, runtime_model=a.runtime_model,
+                      sampled_copies=a.sampled_copies, workers=a.workers,
+                      self_instruct=a.self_instruct)
     r = train_head(a.source, a.out, cfg, cache=a.cache)
     print(json.dumps(dict(out=str(r.out), first_loss=r.losses[0], last_loss=r.losses[-1],
                           train_top1=r.train_top1, val_top1=r.val_top1, tokens=r.tokens,

@@ -143,7 +143,7 @@ def sample_loss(head: TrainableHead, t: Teacher, embed_table: torch.Tensor, kept
     m = t.ids.numel() - 1  # roots 0..m-1: root j is fed the token at j + 1
     embeds = embed_table[t.ids[1:]]  # [m, H]
     logits = head.unroll(t.aux[:m], embeds, steps)
-    p_target = torch.softmax(t.logp[:, kept], dim=-1)  # [n, Vd] renormalised on the kept ids
+    p_target = torch.softmax(t.logp.float(), dim=-1)  # [n, Vd] renormalised on the kept ids
     loss, agree, total = torch.zeros(()), [], 0.0
     for k, lg in enumerate(logits):
         n = lg.shape[0]
@@ -168,12 +168,20 @@ class LoopResult:
 
 def train(head: TrainableHead, data: list[Teacher], embed_table: torch.Tensor,
           kept: torch.Tensor, *, steps: int, ttt_steps: int = 3, decay: float = 0.8,
-          lr: float = 1e-3, weight_decay: float = 0.0, seed: int = 0,
+          lr: float = 1e-3, weight_decay: float = 0.0, seed: int = 0, schedule: str = "constant",
           report: Callable[[str], None] = lambda s: None) -> LoopResult:
-    """`steps` AdamW steps, one sample each, in a seeded order."""
+    """`steps` AdamW steps, one sample each, in a seeded order (every sample once per pass).
+    `schedule` "cosine": the learning rate warms up linearly over the first 2% of steps, then
+    follows a cosine to zero; "constant": lr throughout."""
+    if schedule not in ("constant", "cosine"):
+        raise ValueError(f"schedule must be 'constant' or 'cosine', got {schedule!r}")
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=weight_decay)
+    warm = max(1, steps // 50)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: 1.0 if schedule == "constant" else
+        min((i + 1) / warm, 0.5 * (1 + np.cos(np.pi * i / steps))))
     result = LoopResult([], [])
     order: list[int] = []
     for step in range(steps):
@@ -185,6 +193,7 @@ def train(head: TrainableHead, data: list[Teacher], embed_table: torch.Tensor,
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
+        sched.step()
         result.losses.append(float(loss.detach()))
         result.top1.append(agree)
         if (step + 1) % max(1, steps // 10) == 0 or step + 1 == steps:

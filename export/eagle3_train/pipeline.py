@@ -34,9 +34,14 @@ class TrainConfig:
     ttt_steps: int = 3
     decay: float = 0.8
     lr: float = 1e-3
+    schedule: str = "cosine"  # or "constant" (loop.train)
     weight_decay: float = 0.0
-    validation: float = 0.1  # share of samples held out of training to measure top-1
+    validation: float = 0.1  # share of prompts held out of training to measure top-1
     device: str = "cpu"  # only the CPU so far
+    sampled_copies: int = 0  # each prompt is also answered this many times at T=1 (seeded)
+    runtime_model: str | None = None  # an ortspec export of the same target: it writes the
+    #   answers (distill_ort.py, several requests at once), else the PyTorch model does
+    workers: int = 8  # concurrent requests of the runtime distiller
 
 
 @dataclasses.dataclass
@@ -58,6 +63,48 @@ def _top1(head: TrainableHead, data, table, kept, cfg) -> list[float]:
     return [float(np.nanmean([r[k] for r in rows if k < len(r)])) for k in range(cfg.ttt_steps)]
 
 
+def _prompt_of(sample: dst.Sample) -> str:
+    """The prompt a sample answers (the runtime distiller appends "@T<t>s<seed>")."""
+    return sample.ident.split("@")[0]
+
+
+def distill_jobs(prompts, cfg: TrainConfig) -> list:
+    """The runtime distiller's answers to write: each prompt at cfg.temperature, then
+    cfg.sampled_copies times at T=1, each with a seed of its own."""
+    from .distill_ort import Job
+
+    jobs = []
+    for n, p in enumerate(prompts):
+        jobs.append(Job(p, cfg.temperature, cfg.seed + n))
+        jobs += [Job(p, 1.0, cfg.seed + n + (c + 1) * len(prompts))
+                 for c in range(cfg.sampled_copies)]
+    return jobs
+
+
+def _distill(model, tok, prompts, cfg: TrainConfig, *, cache, progress: bool,
+             report: Callable[[str], None]) -> list[dst.Sample]:
+    if cfg.runtime_model is None:
+        return dst.distill(model, tok, prompts, max_new_tokens=cfg.max_new_tokens,
+                           temperature=cfg.temperature, seed=cfg.seed,
+                           max_prompt_chars=cfg.max_prompt_chars,
+                           cache=Path(cache) if cache is not None else None, report=report)
+    from ortspec.runtime import load_model
+
+    from .distill_ort import distill_with_runtime
+
+    if cache is None:
+        raise ExportOptionError("the runtime distiller needs a cache directory (--cache)")
+    runtime = load_model(cfg.runtime_model)
+    if runtime.facts().vocab_size != model.config.vocab_size:
+        raise ExportOptionError(f"runtime_model {cfg.runtime_model} has a vocabulary of "
+                                f"{runtime.facts().vocab_size}, the target {model.config.vocab_size}: "
+                                f"it must be an export of the same target")
+    return distill_with_runtime(runtime, distill_jobs(prompts, cfg),
+                                max_new_tokens=cfg.max_new_tokens,
+                                max_prompt_chars=cfg.max_prompt_chars, cache=Path(cache),
+                                workers=cfg.workers, report=report)
+
+
 def train_head(source: str | None, out: str | Path, cfg: TrainConfig = TrainConfig(), *,
                cache: str | Path | None = None, progress: bool = True,
                report: Callable[[str], None] | None = None) -> TrainResult:
@@ -66,7 +113,15 @@ def train_head(source: str | None, out: str | Path, cfg: TrainConfig = TrainConf
     if cfg.device != "cpu":
         raise ExportOptionError(f"device must be 'cpu' (training runs on the CPU), got "
                                 f"{cfg.device!r}")
-    for name in ("steps", "prompts", "max_new_tokens", "draft_vocab", "ttt_steps"):
+    if not isinstance(cfg.sampled_copies, int) or cfg.sampled_copies < 0:
+        raise ExportOptionError(f"sampled_copies must be an integer >= 0, got "
+                                f"{cfg.sampled_copies!r}")
+    if cfg.schedule not in ("constant", "cosine"):
+        raise ExportOptionError(f"schedule must be 'constant' or 'cosine', got {cfg.schedule!r}")
+    if cfg.sampled_copies and cfg.runtime_model is None:
+        raise ExportOptionError("sampled_copies needs runtime_model (answers at T=1 are written "
+                                "by the runtime distiller)")
+    for name in ("steps", "prompts", "max_new_tokens", "draft_vocab", "ttt_steps", "workers"):
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ExportOptionError(f"{name} must be a positive integer, got {value!r}")
@@ -80,18 +135,19 @@ def train_head(source: str | None, out: str | Path, cfg: TrainConfig = TrainConf
     layers = eagle3_layers(spec.num_layers)
     prompts = training_prompts(cfg.prompts, seed=cfg.seed, self_instruct=cfg.self_instruct)
     say(f"{len(prompts)} prompts; distilling up to {cfg.max_new_tokens} tokens each")
-    samples = dst.distill(model, tok, prompts, max_new_tokens=cfg.max_new_tokens,
-                          temperature=cfg.temperature, seed=cfg.seed,
-                          max_prompt_chars=cfg.max_prompt_chars,
-                          cache=Path(cache) if cache is not None else None, report=say)
-    n_val = int(len(samples) * cfg.validation)
-    train_s, val_s = samples[n_val:], samples[:n_val]
-    say(f"teacher-forcing {len(samples)} samples")
-    teach = [teacher_force(model, s.ids, layers, answer_start=s.answer_start) for s in samples]
-    train_t, val_t = teach[n_val:], teach[:n_val]
+    samples = _distill(model, tok, prompts, cfg, cache=cache, progress=progress, report=say)
+    held = {p.ident for p in prompts[:int(len(prompts) * cfg.validation)]}
+    val_s = [s for s in samples if _prompt_of(s) in held]
+    train_s = [s for s in samples if _prompt_of(s) not in held]
+    samples = val_s + train_s
+    n_val = len(val_s)
     vocab = spec.vocab_size
     kept = draft_vocab([s.ids[s.answer_start:] for s in train_s], size=min(cfg.draft_vocab, vocab),
                        vocab=vocab)
+    say(f"teacher-forcing {len(samples)} samples")
+    teach = [teacher_force(model, s.ids, layers, answer_start=s.answer_start, kept=kept)
+             for s in samples]
+    train_t, val_t = teach[n_val:], teach[:n_val]
     d2t, t2d = maps(kept, vocab)
     cfgm = model.config
     head_dim = getattr(cfgm, "head_dim", None) or spec.hidden_size // cfgm.num_attention_heads
@@ -107,6 +163,7 @@ def train_head(source: str | None, out: str | Path, cfg: TrainConfig = TrainConf
         f"draft vocabulary {kept.numel()}, layers {layers}")
     loop = train(head, train_t, table, kept, steps=cfg.steps, ttt_steps=cfg.ttt_steps,
                  decay=cfg.decay, lr=cfg.lr, weight_decay=cfg.weight_decay, seed=cfg.seed,
+                 schedule=cfg.schedule,
                  report=say)
     tail = loop.top1[-max(1, cfg.steps // 10):]
     train_top1 = [float(np.nanmean([r[k] for r in tail if k < len(r)]))

@@ -6,6 +6,7 @@ maps round-trip; the manifest records seed and sources; one seed gives one set o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -142,6 +143,90 @@ def test_the_first_step_is_the_reference_forward(tmp_path):
 @pytest.mark.parametrize("bad", [dict(steps=0), dict(draft_vocab=-1), dict(device="cuda"),
                                  dict(temperature=0.5)])
 def test_bad_options_are_refused_before_any_work(tmp_path, bad):
+    from ortspec.export import ExportOptionError
+
+    with pytest.raises(ExportOptionError):
+        train_head("/nonexistent", tmp_path / "h", TrainConfig(**bad), progress=False)
+    assert not (tmp_path / "h").exists()
+
+
+# -- the runtime distiller and the answer-only context -------------------------------------------
+
+RT_CFG = TrainConfig(steps=4, prompts=4, max_new_tokens=8, max_prompt_chars=60, draft_vocab=100,
+                     seed=3, validation=0.25, sampled_copies=1, workers=3)
+
+
+@pytest.fixture(scope="module")
+def exported(src, tmp_path_factory):
+    return export_model(src, out=tmp_path_factory.mktemp("rt") / "exp", capacity=256,
+                        max_verify_len=4, progress=False)
+
+
+def test_the_runtime_distiller_writes_the_targets_own_draws(src, exported, tmp_path):
+    from ortspec.runtime import SpeculativeOptions, load_model
+    from ortspec.export.eagle3_train.distill_ort import distill_with_runtime
+    from ortspec.export.eagle3_train.pipeline import distill_jobs
+
+    prompts = training_prompts(RT_CFG.prompts, seed=RT_CFG.seed, self_instruct=0.25)
+    jobs = distill_jobs(prompts, RT_CFG)
+    assert [j.temperature for j in jobs] == [0.0, 1.0] * len(prompts)
+    assert len({j.seed for j in jobs}) == len(jobs)
+    model = load_model(exported)
+    cache = tmp_path / "cache"
+    kw = dict(max_new_tokens=8, max_prompt_chars=60, cache=cache)
+    samples = distill_with_runtime(model, jobs, workers=3, **kw)
+    for job, s in zip(jobs, samples):
+        assert s.ident.startswith(job.prompt.ident + "@")
+        prompt, answer = s.ids[:s.answer_start], s.ids[s.answer_start:]
+        if not job.prompt.needs_question:
+            assert prompt == model.encode(job.prompt.text[:60], chat=True)
+        # T=0: plain greedy decoding of the prompt alone, whatever ran beside it and whatever
+        # the drafter did; T=1: the same seed's draw again (one request at a time)
+        greedy = job.temperature == 0
+        again = model.generate(prompt, drafter=None if greedy else "auto",
+                               options=SpeculativeOptions(max_new_tokens=8,
+                                                          temperature=job.temperature,
+                                                          seed=None if greedy else job.seed))
+        assert answer == again.tokens
+    # a second run reads every answer back from the cache, writing nothing
+    before = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
+    assert distill_with_runtime(model, jobs, workers=1, **kw) == samples
+    assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == before
+
+
+def test_training_from_runtime_answers_keeps_each_prompt_on_one_side(src, exported, tmp_path):
+    cfg = dataclasses.replace(RT_CFG, runtime_model=str(exported))
+    r = train_head(str(src), tmp_path / "h", cfg, cache=tmp_path / "c", progress=False)
+    data = json.loads((r.out / "data_manifest.json").read_text())
+    sides: dict[str, set[str]] = {}
+    for s in data["samples"]:
+        sides.setdefault(s["id"].split("@")[0], set()).add(s["split"])
+    assert len(data["samples"]) == 2 * RT_CFG.prompts
+    assert all(len(v) == 1 for v in sides.values())
+    assert {"train", "validation"} == set().union(*sides.values())
+
+
+def test_the_teacher_starts_where_the_drafter_does(src):
+    from ortspec.export.eagle3_train.distill import load_target
+    from ortspec.export.eagle3_train.teacher import teacher_force
+
+    model = load_target(str(src), capacity=256, progress=False).model
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (20,), generator=g).tolist()
+    kept = torch.tensor([1, 5, 7, 300])
+    t = teacher_force(model, ids, (2, 4, 5), answer_start=12, kept=kept)
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+    assert t.ids.tolist() == ids[11:] and t.loss_from == 0
+    full = torch.cat([out.hidden_states[i][0] for i in (2, 4, 5)], -1)
+    assert torch.equal(t.aux, full[11:])  # states of the whole sequence, rows from the answer
+    want = torch.log_softmax(out.logits[0, 11:].float(), -1)[:, kept]
+    assert torch.allclose(t.logp.float(), want, atol=1e-2, rtol=1e-3)  # stored in float16
+
+
+@pytest.mark.parametrize("bad", [dict(sampled_copies=1), dict(sampled_copies=-1), dict(schedule="linear"),
+                                 dict(workers=0)])
+def test_bad_distiller_options_are_refused(tmp_path, bad):
     from ortspec.export import ExportOptionError
 
     with pytest.raises(ExportOptionError):
