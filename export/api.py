@@ -49,7 +49,7 @@ from .hidden_states import QUANT_TOLERANCES as HIDDEN_QUANT_TOLERANCES
 from .hidden_states import HiddenStatesOption, check_hidden_states_option, resolve_layers
 from .row_probe import PROBE_FILE, write_row_probe
 from .sources import DEFAULT_RECIPE, Source, identify_source, materialize, recorded_source, \
-    source_num_layers
+    shipped_head, source_num_layers
 
 GRAPH_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
@@ -228,7 +228,7 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
                  quant_scheme: str = "block-min",
                  hidden_states: HiddenStatesOption = None,
                  draft_head: str | os.PathLike | None = None,
-                 draft_head_quant: str | None = None) -> Path:
+                 draft_head_quant: str | None = None, with_shipped_head: bool = True) -> Path:
     """Export `source` (a Hugging Face model directory, a .gguf file, or None for the default
     model) to the directory `out`; returns its path. Raises ExportError (ExportOptionError for a
     bad option) with nothing written.
@@ -268,7 +268,21 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
     `out` (`add_draft_head`), which must already return its hidden states. draft_head_quant:
     "int8" stores the head's linear weights and LM head as 8-bit MatMulNBits and its embedding
     as 8-bit GatherBlockQuantized (0.4x the float32 head's step time, 57 MiB against 199 for
-    SmolLM2-135M; validated against its dequantized weights); None: float32."""
+    SmolLM2-135M; validated against its dequantized weights); None: float32.
+
+    with_shipped_head: a source whose recipe ships a trained head (the default model) gets it
+    as its draft_head when none is given, on a gqa graph (a window graph batches requests,
+    which the eagle3 drafter does not) without an explicit hidden_states; False exports without
+    it. Not with draft_only."""
+    if not isinstance(with_shipped_head, bool):
+        raise ExportOptionError(f"with_shipped_head must be True or False, got "
+                                f"{with_shipped_head!r}")
+    if draft_head is None and with_shipped_head and not draft_only and attention == "gqa" \
+            and hidden_states is None:
+        recipe_source = identify_source(source)
+        draft_head = shipped_head(recipe_source)
+        if draft_head is not None and draft_head_quant is None:
+            draft_head_quant = recipe_source.recipe.get("draft_head_quant")
     if opset is None and attention in ATTENTIONS:
         opset = DEFAULT_OPSET[attention]
     if not isinstance(draft_only, bool):

@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-head-quant", choices=tuple(HEAD_QUANTS), default=None,
                    help="with --draft-head: int8 stores the head's weights, LM head and "
                         "embedding at 8 bits (0.4x the float32 head's step time)")
+    p.add_argument("--no-draft-head", action="store_true",
+                   help="leave out the draft head the package ships for the default model "
+                        "(added to its gqa exports unless --draft-head names another)")
     p.add_argument("--draft-only", action="store_true",
                    help="add the draft (or with --draft-head the head) to the existing model "
                         "directory OUT (default: where this export would go) instead of "
@@ -111,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                            quant_scheme=args.quant_scheme,
                            hidden_states=None if args.hidden_states is None else
                            parse_hidden_states(args.hidden_states),
-                           draft_head=args.draft_head, draft_head_quant=args.draft_head_quant)
+                           draft_head=args.draft_head, draft_head_quant=args.draft_head_quant,
+                           with_shipped_head=not args.no_draft_head)
     except (OrtspecError, OSError) as e:
         print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
         return 2

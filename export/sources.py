@@ -110,6 +110,23 @@ def recipe_names() -> list[str]:
                   if e.name.endswith(".json") and e.is_file())
 
 
+def shipped_head(source: "Source") -> Path | None:
+    """The EAGLE-3 head the package ships for `source` (a recipe's optional "draft_head": a
+    speculators checkpoint directory in the `ortspec.models` package data), or None."""
+    name = source.recipe.get("draft_head") if source.recipe is not None else None
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        raise ExportError(f"model recipe {source.recipe['name']!r}: draft_head must be a string")
+    head = resources.files("ortspec.models") / name
+    if not head.is_dir():
+        raise ExportError(f"model recipe {source.recipe['name']!r} names the shipped draft head "
+                          f"{name!r}, which this installation lacks (package data "
+                          f"ortspec.models/{name}); reinstall ortspec, or export without it "
+                          f"(--no-draft-head)")
+    return Path(str(head))
+
+
 def load_recipe(name: str = DEFAULT_RECIPE) -> dict[str, Any]:
     """The recipe `name` (a dict with RECIPE_FIELDS, all strings); ExportError naming the
     available recipes when there is none by that name."""

@@ -275,3 +275,46 @@ def test_export_cli_without_a_source_exports_the_default_model_at_int4(argv, dty
     argv = [str(tmp_path) if a == "SRC" else a for a in argv]
     assert cli.main([*argv, "--quiet"]) == 0
     assert (seen["dtype"], seen["quant"]) == (dtype, quant)
+
+
+def test_the_shipped_head_is_package_data_and_named_by_the_recipe():
+    src = sources.identify_source(None)
+    head = sources.shipped_head(src)
+    name = src.recipe.get("draft_head")
+    if name is None:  # a recipe without a head ships none
+        assert head is None
+        return
+    from importlib import resources
+
+    assert head == Path(str(resources.files("ortspec.models") / name))
+    config = json.loads((head / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert (head / "model.safetensors").is_file()
+    for side in ("recipe.json", "data_manifest.json"):  # how it was made travels with it
+        assert (head / side).is_file()
+
+
+def test_a_recipe_naming_a_missing_head_is_refused_with_the_way_out():
+    src = sources.identify_source(None)
+    broken = sources.Source(src.kind, src.path, src.family, src.name,
+                            {**src.recipe, "draft_head": "no-such-head"})
+    with pytest.raises(ExportError, match="lacks.*no-such-head.*--no-draft-head"):
+        sources.shipped_head(broken)
+    assert sources.shipped_head(sources.Source(src.kind, src.path, src.family, src.name,
+                                               {k: v for k, v in src.recipe.items()
+                                                if k != "draft_head"})) is None
+
+
+@pytest.mark.parametrize("argv, shipped", [([], True), (["--no-draft-head"], False)])
+def test_the_export_cli_passes_the_shipped_head_choice(argv, shipped, tmp_path, monkeypatch):
+    from ortspec.export import api
+
+    seen = {}
+
+    def fake_export(source, **kw):
+        seen.update(kw)
+        return tmp_path
+
+    monkeypatch.setattr(api, "export_model", fake_export)
+    assert cli.main([*argv, "--quiet"]) == 0
+    assert seen["with_shipped_head"] is shipped
