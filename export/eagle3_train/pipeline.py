@@ -16,7 +16,7 @@ from ..hidden_states import eagle3_layers
 from . import distill as dst
 from .loop import HeadShape, TrainableHead, sample_loss, train
 from .prompts import SOURCES, training_prompts
-from .teacher import teacher_force
+from .teacher import teacher_force, teacher_force_exported
 from .vocab import draft_vocab, maps
 from .write import speculators_config, write_head
 
@@ -79,6 +79,19 @@ def distill_jobs(prompts, cfg: TrainConfig) -> list:
         jobs += [Job(p, 1.0, cfg.seed + n + (c + 1) * len(prompts))
                  for c in range(cfg.sampled_copies)]
     return jobs
+
+
+def _exported_teacher(cfg: TrainConfig, layers: tuple[int, ...]):
+    """An OrtDecoder of cfg.runtime_model when that export returns the hidden states of
+    `layers` (then the head learns from the states it will read), else None (PyTorch)."""
+    if cfg.runtime_model is None:
+        return None
+    from ortspec.runtime.ort import manifest as mf
+    from ortspec.runtime.ort.decoder import OrtDecoder
+
+    if mf.read_manifest(cfg.runtime_model).hidden_state_layers != tuple(layers):
+        return None
+    return OrtDecoder(cfg.runtime_model)
 
 
 def _distill(model, tok, prompts, cfg: TrainConfig, *, cache, progress: bool,
@@ -144,9 +157,17 @@ def train_head(source: str | None, out: str | Path, cfg: TrainConfig = TrainConf
     vocab = spec.vocab_size
     kept = draft_vocab([s.ids[s.answer_start:] for s in train_s], size=min(cfg.draft_vocab, vocab),
                        vocab=vocab)
-    say(f"teacher-forcing {len(samples)} samples")
-    teach = [teacher_force(model, s.ids, layers, answer_start=s.answer_start, kept=kept)
-             for s in samples]
+    exported = _exported_teacher(cfg, layers)
+    say(f"teacher-forcing {len(samples)} samples through "
+        f"{'the export ' + cfg.runtime_model if exported is not None else 'PyTorch'}")
+    teach = []
+    for n, s in enumerate(samples):
+        teach.append(teacher_force(model, s.ids, layers, answer_start=s.answer_start, kept=kept)
+                     if exported is None else
+                     teacher_force_exported(exported, s.ids, answer_start=s.answer_start,
+                                            kept=kept))
+        if (n + 1) % 100 == 0:
+            say(f"teacher-forced {n + 1}/{len(samples)}")
     train_t, val_t = teach[n_val:], teach[:n_val]
     d2t, t2d = maps(kept, vocab)
     cfgm = model.config
@@ -175,6 +196,8 @@ def train_head(source: str | None, out: str | Path, cfg: TrainConfig = TrainConf
                                 layer_ids=layers)
     tokens = sum(len(s.ids) for s in train_s)
     recipe = dict(dataclasses.asdict(cfg), target=str(ckpt.source.path),
+                  teacher=("the export " + str(cfg.runtime_model) if exported is not None
+                           else "PyTorch, float32"),
                   objective="EAGLE-3 training-time test: forward KL to the target's "
                             "distribution renormalised on the draft vocabulary, step k "
                             "weighted decay**k", optimizer="AdamW",

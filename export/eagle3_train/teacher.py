@@ -34,3 +34,20 @@ def teacher_force(model: Any, ids: list[int], layers: tuple[int, ...], *, answer
     logp = torch.log_softmax(out.logits[0, first:].float(), dim=-1)[:, kept]  # [n, Vd]
     return Teacher(torch.tensor(ids[first:], dtype=torch.int64), aux.float().contiguous(),
                    logp.half(), 0)
+
+
+def teacher_force_exported(decoder: Any, ids: list[int], *, answer_start: int,
+                           kept: torch.Tensor) -> Teacher:
+    """The same Teacher from an exported target that returns hidden states (an
+    ortspec.runtime OrtDecoder of a model exported with the head's layers): the states the
+    drafter will read at run time, at that export's precision (int4 for the default model).
+    The prompt before answer_start - 1 is prefilled; the rest is one forward_batch."""
+    first = max(answer_start - 1, 0)
+    decoder.reset()
+    if first:
+        decoder.prefill(ids[:first])
+    logits = torch.from_numpy(decoder.forward_batch(ids[first:]))  # [n, vocab]
+    aux = torch.from_numpy(decoder.last_hidden_states())  # [n, 3Ht]
+    decoder.reset()
+    logp = torch.log_softmax(logits, dim=-1)[:, kept]  # [n, Vd]
+    return Teacher(torch.tensor(ids[first:], dtype=torch.int64), aux.contiguous(), logp.half(), 0)

@@ -159,7 +159,7 @@ RT_CFG = TrainConfig(steps=4, prompts=4, max_new_tokens=8, max_prompt_chars=60, 
 @pytest.fixture(scope="module")
 def exported(src, tmp_path_factory):
     return export_model(src, out=tmp_path_factory.mktemp("rt") / "exp", capacity=256,
-                        max_verify_len=4, progress=False)
+                        max_verify_len=4, progress=False, hidden_states="auto")
 
 
 def test_the_runtime_distiller_writes_the_targets_own_draws(src, exported, tmp_path):
@@ -202,6 +202,8 @@ def test_training_from_runtime_answers_keeps_each_prompt_on_one_side(src, export
     for s in data["samples"]:
         sides.setdefault(s["id"].split("@")[0], set()).add(s["split"])
     assert len(data["samples"]) == 2 * RT_CFG.prompts
+    # the export returns the head's layers: the head learns from the states it will read
+    assert json.loads((r.out / "recipe.json").read_text())["teacher"] == f"the export {exported}"
     assert all(len(v) == 1 for v in sides.values())
     assert {"train", "validation"} == set().union(*sides.values())
 
@@ -232,3 +234,25 @@ def test_bad_distiller_options_are_refused(tmp_path, bad):
     with pytest.raises(ExportOptionError):
         train_head("/nonexistent", tmp_path / "h", TrainConfig(**bad), progress=False)
     assert not (tmp_path / "h").exists()
+
+
+def test_the_exported_teacher_agrees_with_pytorch(src, tmp_path):
+    from ortspec.export.eagle3_train.distill import load_target
+    from ortspec.export.eagle3_train.teacher import teacher_force, teacher_force_exported
+    from ortspec.runtime.ort.decoder import OrtDecoder
+
+    out = export_model(src, out=tmp_path / "hs", capacity=256, max_verify_len=4,
+                       progress=False, hidden_states="auto")
+    decoder = OrtDecoder(out)
+    assert decoder.hidden_state_layers == (2, 4, 5)
+    model = load_target(str(src), capacity=256, progress=False).model
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (30,), generator=g).tolist()
+    kept = torch.tensor([0, 3, 9, 200, 301])
+    for answer_start in (1, 17):
+        a = teacher_force(model, ids, (2, 4, 5), answer_start=answer_start, kept=kept)
+        b = teacher_force_exported(decoder, ids, answer_start=answer_start, kept=kept)
+        assert torch.equal(a.ids, b.ids) and a.loss_from == b.loss_from == 0
+        assert torch.allclose(a.aux, b.aux, atol=1e-3, rtol=1e-3)
+        assert torch.allclose(a.logp.float(), b.logp.float(), atol=2e-2)
+    assert decoder.length == 0  # left empty for the next sample
