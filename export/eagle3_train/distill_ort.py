@@ -35,6 +35,13 @@ def _key(model_id: str, job: Job, *, max_new_tokens: int, max_prompt_chars: int)
          max_new_tokens, job.temperature, job.seed]).encode()).hexdigest()[:24]
 
 
+def model_id(model) -> str:
+    """What a cached answer depends on in the model: its source and its weights' format
+    (an fp32 and an int4 export of one source write different answers)."""
+    m = model.manifest
+    return json.dumps([m.source, m.dtype, m.extra.get("weights")], sort_keys=True)
+
+
 def distill_with_runtime(model, jobs: list[Job], *, max_new_tokens: int, max_prompt_chars: int,
                          cache: Path, workers: int = 8,
                          report: Callable[[str], None] = lambda s: None) -> list[Sample]:
@@ -43,11 +50,12 @@ def distill_with_runtime(model, jobs: list[Job], *, max_new_tokens: int, max_pro
     first has the target write the question (T=1, 64 tokens, the job's seed)."""
     from ortspec.runtime import SpeculativeOptions
 
-    model_id = str(model.manifest.source)
+    ident = model_id(model)
     done = [0]
 
     def one(job: Job) -> Sample:
-        path = cache / f"{_key(model_id, job, max_new_tokens=max_new_tokens, max_prompt_chars=max_prompt_chars)}.json"
+        key = _key(ident, job, max_new_tokens=max_new_tokens, max_prompt_chars=max_prompt_chars)
+        path = cache / f"{key}.json"
         if path.is_file():
             return Sample(**json.loads(path.read_text()))
         text = job.prompt.text[:max_prompt_chars]

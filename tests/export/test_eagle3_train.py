@@ -256,3 +256,21 @@ def test_the_exported_teacher_agrees_with_pytorch(src, tmp_path):
         assert torch.allclose(a.aux, b.aux, atol=1e-3, rtol=1e-3)
         assert torch.allclose(a.logp.float(), b.logp.float(), atol=2e-2)
     assert decoder.length == 0  # left empty for the next sample
+
+
+def test_cached_answers_are_keyed_by_the_weights_format():
+    from types import SimpleNamespace
+
+    from ortspec.export.eagle3_train.distill_ort import Job, _key, model_id
+
+    def model(dtype, weights):
+        return SimpleNamespace(manifest=SimpleNamespace(source={"path": "x.gguf"}, dtype=dtype,
+                                                        extra={"weights": weights}))
+
+    fp32 = model("fp32", {"format": "float", "dtype": "fp32"})
+    int4 = model("fp32", {"format": "MatMulNBits", "bits": 4, "scheme": "block-min"})
+    sym = model("fp32", {"format": "MatMulNBits", "bits": 4, "scheme": "symmetric"})
+    job = Job(spec_bench_dev_prompts()[0], 0.0, 0)
+    keys = {_key(model_id(m), job, max_new_tokens=8, max_prompt_chars=60)
+            for m in (fp32, int4, sym)}
+    assert len(keys) == 3
