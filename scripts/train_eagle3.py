@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="answer each prompt this many more times at T=1 (needs --runtime-model)")
     p.add_argument("--workers", type=int, default=8,
                    help="concurrent requests of the runtime distiller")
+    p.add_argument("--half-out", default=None,
+                   help="also write a copy of the head with float16 tensors here")
     p.add_argument("--self-instruct", type=float, default=0.25,
                    help="share of self-instruct prompts")
     a = p.parse_args(argv)
@@ -49,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
                       sampled_copies=a.sampled_copies, workers=a.workers,
                       self_instruct=a.self_instruct)
     r = train_head(a.source, a.out, cfg, cache=a.cache)
+    if a.half_out is not None:
+        from ortspec.export.eagle3_train.write import store_half
+
+        store_half(r.out, a.half_out)
     print(json.dumps(dict(out=str(r.out), first_loss=r.losses[0], last_loss=r.losses[-1],
                           train_top1=r.train_top1, val_top1=r.val_top1, tokens=r.tokens,
                           seconds=round(r.seconds, 1)), indent=2))

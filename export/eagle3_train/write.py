@@ -48,3 +48,27 @@ def write_head(out: Path, weights: dict[str, torch.Tensor], config: dict[str, An
     (out / "data_manifest.json").write_text(json.dumps(dict(data, files=files), indent=2),
                                             encoding="utf-8")
     return out
+
+
+def store_half(head: Path, out: Path) -> Path:
+    """Copy the head directory `head` to `out` with its floating-point tensors stored as float16
+    (half the size; the importer widens them to float32, and the export validates the ONNX head
+    against those weights); d2t and t2d unchanged. recipe.json records the storage and
+    data_manifest.json the new files' sha256."""
+    from safetensors.torch import load_file, save_file
+
+    head, out = Path(head), Path(out)
+    tensors = load_file(head / "model.safetensors")
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: (v.half() if v.is_floating_point() else v).contiguous()
+               for k, v in tensors.items()}, out / "model.safetensors")
+    (out / "config.json").write_text((head / "config.json").read_text(encoding="utf-8"),
+                                     encoding="utf-8")
+    recipe = json.loads((head / "recipe.json").read_text(encoding="utf-8"))
+    recipe["stored"] = "float16 (trained in float32; write.store_half)"
+    (out / "recipe.json").write_text(json.dumps(recipe, indent=2), encoding="utf-8")
+    data = json.loads((head / "data_manifest.json").read_text(encoding="utf-8"))
+    data["files"] = {p: sha256(out / p) for p in ("config.json", "model.safetensors",
+                                                   "recipe.json")}
+    (out / "data_manifest.json").write_text(json.dumps(data, indent=2), encoding="utf-8")
+    return out

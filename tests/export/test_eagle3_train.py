@@ -274,3 +274,30 @@ def test_cached_answers_are_keyed_by_the_weights_format():
     keys = {_key(model_id(m), job, max_new_tokens=8, max_prompt_chars=60)
             for m in (fp32, int4, sym)}
     assert len(keys) == 3
+
+
+def test_a_half_copy_imports_with_the_rounded_weights(trained, tmp_path):
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    from ortspec.export.eagle3_train.write import store_half
+
+    half = store_half(trained.out, tmp_path / "h16")
+    a, b = load_file(trained.out / "model.safetensors"), load_file(half / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        if a[k].is_floating_point():
+            assert b[k].dtype == torch.float16 and torch.equal(b[k], a[k].half())
+        else:
+            assert torch.equal(a[k], b[k])
+    target = Eagle3Target(HIDDEN, VOCAB, LAYERS)
+    h32, h16 = read_eagle3_head(trained.out, target=target), read_eagle3_head(half, target=target)
+    for k in ("fc", "q", "k", "v", "o", "gate", "up", "down", "norm", "lm_head"):
+        w32, w16 = getattr(h32, k), getattr(h16, k)
+        assert w16.dtype == np.float32 and np.array_equal(w16, w32.astype(np.float16))
+    assert np.array_equal(h32.target_ids(), h16.target_ids())
+    data = json.loads((half / "data_manifest.json").read_text())
+    for name, digest in data["files"].items():
+        assert hashlib.sha256((half / name).read_bytes()).hexdigest() == digest
+    assert "float16" in json.loads((half / "recipe.json").read_text())["stored"]
