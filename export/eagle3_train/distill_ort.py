@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -52,6 +53,7 @@ def distill_with_runtime(model, jobs: list[Job], *, max_new_tokens: int, max_pro
 
     ident = model_id(model)
     done = [0]
+    counting = threading.Lock()  # workers finish concurrently
 
     def one(job: Job) -> Sample:
         key = _key(ident, job, max_new_tokens=max_new_tokens, max_prompt_chars=max_prompt_chars)
@@ -73,8 +75,9 @@ def distill_with_runtime(model, jobs: list[Job], *, max_new_tokens: int, max_pro
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(dataclasses.asdict(sample)))
         tmp.replace(path)
-        done[0] += 1
-        report(f"distilled {done[0]}/{len(jobs)} ({len(answer)} answer tokens)")
+        with counting:
+            done[0] += 1
+            report(f"distilled {done[0]}/{len(jobs)} ({len(answer)} answer tokens)")
         return sample
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
