@@ -277,12 +277,6 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
     if not isinstance(with_shipped_head, bool):
         raise ExportOptionError(f"with_shipped_head must be True or False, got "
                                 f"{with_shipped_head!r}")
-    if draft_head is None and with_shipped_head and not draft_only and attention == "gqa" \
-            and hidden_states is None:
-        recipe_source = identify_source(source)
-        draft_head = shipped_head(recipe_source)
-        if draft_head is not None and draft_head_quant is None:
-            draft_head_quant = recipe_source.recipe.get("draft_head_quant")
     if opset is None and attention in ATTENTIONS:
         opset = DEFAULT_OPSET[attention]
     if not isinstance(draft_only, bool):
@@ -298,6 +292,12 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
     check_head_quant(draft_head_quant)
     if draft_head_quant is not None and draft_head is None:
         raise ExportOptionError("draft_head_quant applies to a draft_head")
+    if source is None and draft_head is None and with_shipped_head and not draft_only \
+            and attention == "gqa" and hidden_states is None:  # only a recipe ships a head
+        recipe_source = identify_source(source)  # reads no file
+        draft_head = shipped_head(recipe_source)
+        if draft_head is not None and draft_head_quant is None:
+            draft_head_quant = recipe_source.recipe.get("draft_head_quant")
     head = None
     if draft_head is not None and not draft_only:  # read and checked before any work
         src = identify_source(source)
