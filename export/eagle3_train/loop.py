@@ -137,8 +137,7 @@ class TrainableHead(torch.nn.Module):
         return out
 
 
-def sample_loss(head: TrainableHead, t: Teacher, embed_table: torch.Tensor, kept: torch.Tensor,
-                *, steps: int, decay: float) -> tuple[torch.Tensor, list[float]]:
+def sample_loss(head: TrainableHead, t: Teacher, embed_table: torch.Tensor, *, steps: int, decay: float) -> tuple[torch.Tensor, list[float]]:
     """The weighted TTT loss of one sample and each step's top-1 agreement with the target."""
     m = t.ids.numel() - 1  # roots 0..m-1: root j is fed the token at j + 1
     embeds = embed_table[t.ids[1:]]  # [m, H]
@@ -166,8 +165,7 @@ class LoopResult:
     top1: list[list[float]]  # per optimiser step, per TTT step
 
 
-def train(head: TrainableHead, data: list[Teacher], embed_table: torch.Tensor,
-          kept: torch.Tensor, *, steps: int, ttt_steps: int = 3, decay: float = 0.8,
+def train(head: TrainableHead, data: list[Teacher], embed_table: torch.Tensor, *, steps: int, ttt_steps: int = 3, decay: float = 0.8,
           lr: float = 1e-3, weight_decay: float = 0.0, seed: int = 0, schedule: str = "constant",
           report: Callable[[str], None] = lambda s: None) -> LoopResult:
     """`steps` AdamW steps, one sample each, in a seeded order (every sample once per pass).
@@ -188,7 +186,7 @@ def train(head: TrainableHead, data: list[Teacher], embed_table: torch.Tensor,
         if not order:
             order = list(rng.permutation(len(data)))
         t = data[order.pop()]
-        loss, agree = sample_loss(head, t, embed_table, kept, steps=ttt_steps, decay=decay)
+        loss, agree = sample_loss(head, t, embed_table, steps=ttt_steps, decay=decay)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)

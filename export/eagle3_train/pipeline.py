@@ -54,11 +54,11 @@ class TrainResult:
     seconds: float
 
 
-def _top1(head: TrainableHead, data, table, kept, cfg) -> list[float]:
+def _top1(head: TrainableHead, data, table, cfg) -> list[float]:
     if not data:
         return [float("nan")] * cfg.ttt_steps
     with torch.no_grad():
-        rows = [sample_loss(head, t, table, kept, steps=cfg.ttt_steps, decay=cfg.decay)[1]
+        rows = [sample_loss(head, t, table, steps=cfg.ttt_steps, decay=cfg.decay)[1]
                 for t in data]
     return [float(np.nanmean([r[k] for r in rows if k < len(r)])) for k in range(cfg.ttt_steps)]
 
@@ -182,14 +182,14 @@ def train_head(source: str | None, out: str | Path, cfg: TrainConfig = TrainConf
     head = TrainableHead(shape, target_hidden=spec.hidden_size, lm_head_init=lm, seed=cfg.seed)
     say(f"training: {len(train_t)} samples, {sum(t.ids.numel() for t in train_t)} tokens, "
         f"draft vocabulary {kept.numel()}, layers {layers}")
-    loop = train(head, train_t, table, kept, steps=cfg.steps, ttt_steps=cfg.ttt_steps,
+    loop = train(head, train_t, table, steps=cfg.steps, ttt_steps=cfg.ttt_steps,
                  decay=cfg.decay, lr=cfg.lr, weight_decay=cfg.weight_decay, seed=cfg.seed,
                  schedule=cfg.schedule,
                  report=say)
     tail = loop.top1[-max(1, cfg.steps // 10):]
     train_top1 = [float(np.nanmean([r[k] for r in tail if k < len(r)]))
                   for k in range(cfg.ttt_steps)]
-    val_top1 = _top1(head, val_t, table, kept, cfg)
+    val_top1 = _top1(head, val_t, table, cfg)
     say(f"validation top-1 per step: {' '.join(f'{a:.3f}' for a in val_top1)}")
     weights = dict(head.state(), d2t=d2t, t2d=t2d)
     config = speculators_config(shape, vocab=vocab, target_hidden=spec.hidden_size,

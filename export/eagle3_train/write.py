@@ -44,6 +44,11 @@ def write_head(out: Path, weights: dict[str, torch.Tensor], config: dict[str, An
     (out / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     save_file({k: v.contiguous() for k, v in weights.items()}, out / "model.safetensors")
     (out / "recipe.json").write_text(json.dumps(recipe, indent=2), encoding="utf-8")
+    return _write_data_manifest(out, data)
+
+
+def _write_data_manifest(out: Path, data: dict[str, Any]) -> Path:
+    """data_manifest.json: `data` ending with the sha256 of the head's three files."""
     files = {p: sha256(out / p) for p in ("config.json", "model.safetensors", "recipe.json")}
     (out / "data_manifest.json").write_text(json.dumps(dict(data, files=files), indent=2),
                                             encoding="utf-8")
@@ -68,7 +73,4 @@ def store_half(head: Path, out: Path) -> Path:
     recipe["stored"] = "float16 (trained in float32; write.store_half)"
     (out / "recipe.json").write_text(json.dumps(recipe, indent=2), encoding="utf-8")
     data = json.loads((head / "data_manifest.json").read_text(encoding="utf-8"))
-    data["files"] = {p: sha256(out / p) for p in ("config.json", "model.safetensors",
-                                                   "recipe.json")}
-    (out / "data_manifest.json").write_text(json.dumps(data, indent=2), encoding="utf-8")
-    return out
+    return _write_data_manifest(out, data)
