@@ -40,7 +40,7 @@ class Method:
         spec = spec.strip()
         if spec == "plain":
             return cls("plain", "none")
-        m = re.fullmatch(r"([a-z+-]+)(?::k(\d+))?(?::c(\d+))?", spec)
+        m = re.fullmatch(r"([a-z][a-z0-9+-]*)(?::k(\d+))?(?::c(\d+))?", spec)
         if not m or m.group(1) not in SPECULATIVE:
             raise InvalidOptionError(
                 f"unknown method {spec!r}; use plain, or one of {SPECULATIVE} optionally "

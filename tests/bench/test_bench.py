@@ -5,7 +5,7 @@ import json
 import pytest
 
 from ortspec.runtime.bench.report import aggregate, markdown_tables
-from ortspec.runtime.bench.runner import Method
+from ortspec.runtime.bench.runner import SPECULATIVE, Method
 from ortspec.runtime.bench.workload import CATEGORIES, interleave_categories, load_questions
 from ortspec.runtime.errors import InvalidOptionError
 
@@ -61,6 +61,9 @@ def test_methods_parse():
     m = Method.parse("draft-model:k3:c256")
     assert (m.drafter, m.fixed_k, m.draft_context) == ("draft-model", 3, 256)
     assert Method.parse("prompt-lookup+draft-model:c0").draft_context == 0  # the whole history
+    for name in SPECULATIVE:  # every drafter is a method, with and without a fixed length
+        assert Method.parse(name).drafter == name
+        assert Method.parse(f"{name}:k3").fixed_k == 3
     for bad in ("lookup", "prompt-lookup:k0", "prompt-lookup:4", "draft-model:c256:k3"):
         with pytest.raises(InvalidOptionError):
             Method.parse(bad)
