@@ -27,8 +27,9 @@ Public API: `export_model`, `add_draft`, `default_model_dir`, `ensure_default_mo
 `default_draft_dir`, `ensure_default_draft`; the CLI is `cli.main`.
 """
 
-from .api import (ExportOptionError, add_draft, default_draft_dir, default_model_dir,
-                  ensure_default_draft, ensure_default_model, export_model)
+from .api import ExportOptionError, add_draft, export_model
+from .defaults import default_draft_dir, default_model_dir, ensure_default_draft, \
+    ensure_default_model
 from .drafts import DraftOptionError
 
 __all__ = ["DraftOptionError", "ExportOptionError", "add_draft", "default_draft_dir",

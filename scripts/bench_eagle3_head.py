@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     models = args.model
     if not models:
-        from ortspec.export.api import default_model_dir
+        from ortspec.export.defaults import default_model_dir
 
         models = [default_model_dir("fp32"), default_model_dir(quant="int4")]
     for model in models:

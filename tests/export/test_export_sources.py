@@ -217,7 +217,7 @@ def test_concurrent_callers_of_ensure_default_model_share_one_export(tmp_path, m
     import threading
     import time as _time
 
-    from ortspec.export import api
+    from ortspec.export import defaults
 
     monkeypatch.setenv("ORTSPEC_MODELS_DIR", str(tmp_path / "models"))
     state = {"exports": 0, "done": False}
@@ -228,10 +228,10 @@ def test_concurrent_callers_of_ensure_default_model_share_one_export(tmp_path, m
         state["done"] = True
         return Path(out)
 
-    monkeypatch.setattr(api, "export_model", fake_export)
-    monkeypatch.setattr(api, "_current_default", lambda out: state["done"])
+    monkeypatch.setattr(defaults, "export_model", fake_export)
+    monkeypatch.setattr(defaults, "_current_default", lambda out: state["done"])
     results = []
-    threads = [threading.Thread(target=lambda: results.append(api.ensure_default_model(progress=False)))
+    threads = [threading.Thread(target=lambda: results.append(defaults.ensure_default_model(progress=False)))
                for _ in range(3)]
     for t in threads:
         t.start()
