@@ -101,6 +101,8 @@ def min_attention_rows(*, quant: str | None, attention: str) -> int:
     """Manifest.min_attention_rows of an export: 2 for a quantized GQA graph (the graph pads a
     lone query, GraphOptions.pad_lone_query); else 1."""
     return 2 if quant is not None and attention == "gqa" else 1
+
+
 def check_options(*, capacity: int, max_verify_len: int, dtype: str, opset: int,
                   attention: str = "gqa", quant: str | None = None, lm_head: str = "int8",
                   quant_scheme: str = "block-min") -> tuple[int, int, int]:
