@@ -40,7 +40,7 @@ from .batching.rows import BatchRow
 from .batching.runner import BatchRunner
 from .batching.prefix_cache import DEFAULT_PREFIX_CACHE_MIB, MIB
 from .draft_length.calibration import CalibrationKey, CostSurface, calibrated_cost_curve, \
-    calibrated_cost_surface, step_cost_ratio
+    calibrated_cost_surface, calibrated_step_ratio
 from .decoding.loop import Steps, decode_steps
 from .decoding.options import SpeculativeDecodeResult, SpeculativeOptions
 from .draft_length.policy import AdaptiveDraftLength, BatchCosts
@@ -254,8 +254,7 @@ class Model:
                           has_draft=draft is not None or self.listed_draft is not None,
                           draft_capacity=draft.capacity if draft is not None else None,
                           draft_follows=self.draft_shares_kv,
-                          has_draft_head=self.manifest.draft_head is not None,
-                          batched=self.runner is not None)
+                          has_draft_head=self.manifest.draft_head is not None)
 
     @property
     def default_drafter(self) -> str:
@@ -314,7 +313,6 @@ class Model:
             return lookup
         if name in NEEDS_DRAFT_HEAD:
             source = target if target is not None else self.decoder
-            assert isinstance(source, OrtDecoder)  # a batching model refuses eagle3 (facts)
             head_drafter = Eagle3Drafter(source, OrtDraftHead.on(self.load_head()),
                                          max_draft_len=min(max_draft_len, EAGLE3_MAX_DRAFT))
             return head_drafter if name == "eagle3" else CostAwareDrafter(lookup, head_drafter)
@@ -361,7 +359,7 @@ class Model:
                         refresh=refresh))
             policy = AdaptiveDraftLength(curve)
             self._measure_draft(policy, refresh=refresh)
-            self._measure_head(policy)
+            self._measure_head(policy, refresh=refresh)
             self._policy = policy
             return policy
 
@@ -375,22 +373,30 @@ class Model:
             # draft's step is measured against the target's, interleaved
             draft = self._slot_draft(slot)
             assert draft is not None
-            policy.draft_step_seconds = step_cost_ratio(draft, slot.decoder) * policy.curve.cost(1)
+            ratio = calibrated_step_ratio(
+                draft, slot.decoder, _calibration_key(self.sessions), refresh=refresh,
+                draft_id=_draft_id("draft", self.draft_sessions.model_dir,
+                                   self.draft_sessions.graph_digest, shares_kv=self.draft_shares_kv))
+            policy.draft_step_seconds = ratio * policy.curve.cost(1)
         if self.draft_runner is not None:  # its one-token calls by rows: d(B, 1)
             draft_key = _calibration_key(self.draft_sessions)
             self._draft_surface = self.draft_runner.exclusive(
                 lambda backend, floors: calibrated_cost_surface(
                     backend, draft_key, max_len=1, floors=floors, refresh=refresh))
 
-    def _measure_head(self, policy: AdaptiveDraftLength) -> None:
+    def _measure_head(self, policy: AdaptiveDraftLength, *, refresh: bool) -> None:
         """The draft head's drafted-token cost into `policy` (its `paid_steps` of the eagle3
-        source), when the manifest lists a head this model drafts with: a head step against the
-        target's, interleaved."""
-        if self.manifest.draft_head is None or self.runner is not None:
+        source), when the manifest lists a head: a head step against the target's, interleaved
+        (cached like the draft's)."""
+        if self.manifest.draft_head is None:
             return
-        head = HeadSteps(OrtDraftHead.on(self.load_head()))
+        sessions = self.load_head()
+        head = HeadSteps(OrtDraftHead.on(sessions))
+        digest = sessions.config.files.get(sessions.config.graphs["head"], "")
         with self.slots.slot() as slot:
-            ratio = step_cost_ratio(head, slot.decoder)
+            ratio = calibrated_step_ratio(head, slot.decoder, _calibration_key(self.sessions),
+                                          draft_id=_draft_id("head", sessions.head_dir, digest),
+                                          refresh=refresh)
         policy.paid_steps[EAGLE3_SOURCE] = ratio * policy.curve.cost(1)
 
     def draft_length_policy(self, *, refresh: bool = False) -> AdaptiveDraftLength:
@@ -460,7 +466,7 @@ class Model:
             drafter = spec = None
         if spec is not None and spec.name in NEEDS_DRAFT_MODEL:
             self.load_draft()
-        if spec is not None and spec.name in NEEDS_DRAFT_HEAD and self.runner is None \
+        if spec is not None and spec.name in NEEDS_DRAFT_HEAD \
                 and self.manifest.draft_head is not None:
             self.load_head()
         ids = check_request(ids, options, drafter=spec or drafter, draft_length=draft_length,
@@ -569,6 +575,11 @@ class TokenStream:
     def __del__(self) -> None:
         if self._slot is not None:
             self.close()
+
+
+def _draft_id(kind: str, directory: Path, digest: str, *, shares_kv: bool = False) -> str:
+    """What a draft's cached step ratio is filed under: its kind, directory name and graph."""
+    return f"{kind}-{Path(directory).name}-{digest[:16]}" + ("-shared" if shares_kv else "")
 
 
 def _calibration_key(sessions: OrtSessions) -> CalibrationKey:

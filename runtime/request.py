@@ -49,7 +49,6 @@ class ModelFacts:
     draft_capacity: int | None = None
     draft_follows: bool = False
     has_draft_head: bool = False  # the manifest lists a trained draft head (draft_head)
-    batched: bool = False  # concurrent requests share calls (a window graph's batch runner)
 
 
 def check_request(prompt: Sequence[int] | None, options: object | None, *,
@@ -103,11 +102,6 @@ def check_drafter_spec(spec: DrafterSpec, facts: ModelFacts | None = None) -> No
             raise InvalidOptionError(
                 f"drafter {spec.name!r} needs a trained draft head and {facts.path} lists none: "
                 f"export the model with `ortspec export SOURCE --draft-head HEAD_DIR`")
-        if facts.batched:
-            raise InvalidOptionError(
-                f"drafter {spec.name!r} does not run on a batching model yet ({facts.path} "
-                f"shares calls between requests); load it with batch=False, or use "
-                f"prompt-lookup")
     if spec.name not in NEEDS_DRAFT_MODEL:
         return
     if facts is None:

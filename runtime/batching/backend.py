@@ -26,9 +26,9 @@ from typing import Protocol
 import numpy as np
 import onnxruntime as ort
 
-from ..errors import ManifestError, ProviderError
-from ..ort.graph_io import (ATTENTION_MASK, INPUT_IDS, LOGIT_ROWS, LOGITS, TOKEN_ROWS, logit_rows_for,
-                           token_rows_for)
+from ..errors import InvalidOptionError, ManifestError, ProviderError
+from ..ort.graph_io import (ATTENTION_MASK, HIDDEN_STATES, INPUT_IDS, LOGIT_ROWS, LOGITS,
+                            TOKEN_ROWS, logit_rows_for, token_rows_for)
 from ..check.reference import ReferenceConfig, ReferenceDecoder
 from ..ort.sessions import OrtSessions
 from ..validation import check_int
@@ -42,6 +42,9 @@ class BatchBackend(Protocol):
     min_rows: int  # every call runs at least this many tokens in all (see call_width)
     packs_tokens: bool  # a call computes its rows' real tokens only, not their padding
     ort_seconds: float  # time inside the model runtime
+    # the decoder layers whose entering residual streams a call also returns (see
+    # `HiddenStateSource`); None: the graph returns none
+    hidden_state_layers: tuple[int, ...] | None
 
     def run(self, lo: int, hi: int, ids: np.ndarray, lengths: np.ndarray, *,
             take: np.ndarray | None = None, real: np.ndarray | None = None) -> np.ndarray:
@@ -50,6 +53,12 @@ class BatchBackend(Protocol):
         (a view, valid until the next call). real [M] int64, ascending: the positions holding
         a row's own tokens (None: all), take among them; the others are padding, whose keys
         and values land past their row's valid length, and a backend may skip computing them."""
+        ...
+
+    def last_hidden(self) -> np.ndarray:
+        """The hidden states of the rows the last `run` returned logits for: [N, K * hidden]
+        float32 in take's order (a view, valid until the next call). Only where
+        `hidden_state_layers` is not None."""
         ...
 
     def move(self, src: int, dst: int, length: int) -> None:
@@ -107,6 +116,12 @@ class OrtBatchBackend:
         self._bindings: dict[tuple[int, int], ort.IOBinding] = {}
         self._element = np.float32 if sessions.kv_dtype == np.float32 else np.float16
         self.token_bytes = sum(b[0, :, 0].nbytes for b in self._kv)  # one row's cache position
+        # the hidden_states output (a model exported for a draft head), rows as the logits'
+        self.hidden_state_layers: tuple[int, ...] | None = m.hidden_state_layers
+        self._hidden_width = m.hidden_state_width if m.hidden_state_layers else 0
+        self._hidden = np.empty(self._logits.size // self.vocab_size * self._hidden_width,
+                                np.float32)
+        self._hidden_rows = 0  # the rows the last call returned
 
     def _binding(self, lo: int, hi: int) -> ort.IOBinding:
         io = self._bindings.get((lo, hi))
@@ -143,10 +158,21 @@ class OrtBatchBackend:
         logits = self._logits[: rows.size * self.vocab_size].reshape(rows.size, self.vocab_size)
         io.bind_output(LOGITS, "cpu", 0, np.float32, [rows.size, self.vocab_size],
                        logits.ctypes.data)
+        if self._hidden_width:
+            io.bind_output(HIDDEN_STATES, "cpu", 0, np.float32, [rows.size, self._hidden_width],
+                           self._hidden.ctypes.data)
         t0 = time.perf_counter()
         self._session.run_with_iobinding(io)
         self.ort_seconds += time.perf_counter() - t0
+        self._hidden_rows = wanted.size
         return logits[:wanted.size]  # [N, vocab]
+
+    def last_hidden(self) -> np.ndarray:  # [N, K * hidden]
+        if not self._hidden_width:
+            raise InvalidOptionError(f"{self.sessions.model_dir} was exported without hidden "
+                                     f"states (its manifest lists no hidden_state_layers)")
+        return self._hidden[: self._hidden_rows * self._hidden_width].reshape(
+            self._hidden_rows, self._hidden_width)
 
     def move(self, src: int, dst: int, length: int) -> None:
         for buf in self._kv:
@@ -174,6 +200,7 @@ class ReferenceBatchBackend:
         self.min_rows = min_rows
         self.packs_tokens = False  # computes every position, padding included
         self.ort_seconds = 0.0
+        self.hidden_state_layers: tuple[int, ...] | None = None
         self.calls: list[tuple[int, int]] = []  # (rows, S) of each call, for tests
         self.real: list[np.ndarray | None] = []  # each call's `real` positions, for tests
 
@@ -189,6 +216,9 @@ class ReferenceBatchBackend:
         self.real.append(None if real is None else np.array(real, np.int64))
         out = out.reshape(-1, self.vocab_size)
         return out if take is None else out[np.asarray(take, np.int64)]
+
+    def last_hidden(self) -> np.ndarray:
+        raise InvalidOptionError("the reference backend returns no hidden states")
 
     def move(self, src: int, dst: int, length: int) -> None:
         self.rows[src].truncate(length)

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ..errors import InvalidOptionError
 from ..validation import check_token_block, check_truncate_length
 from .backend import BatchBackend
 
@@ -30,7 +31,9 @@ class BatchJob:
     offset: int = 0  # prefill: tokens fed so far
     start: int | None = None  # prefill: the row's length before it (restored on failure)
     parts: list = dataclasses.field(default_factory=list)
+    hidden_parts: list = dataclasses.field(default_factory=list)  # as parts, of the states
     result: np.ndarray | None = None
+    hidden: np.ndarray | None = None  # [rows of result, K * hidden] where the backend has them
     error: BaseException | None = None
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -101,22 +104,43 @@ class BatchRow:
         self.ort_seconds = 0.0  # time of the calls this row took part in
         self.length = 0  # set by this row's thread (truncate, reset) and by the runner
         self.index: int | None = None  # its row of the pool (the runner's to change)
+        # a `HiddenStateSource` where the backend returns hidden states (a draft head's target)
+        self.hidden_state_layers: tuple[int, ...] | None = backend.hidden_state_layers
+        self._last_hidden: np.ndarray | None = None  # [rows, K * hidden] of the last call
 
     def reset(self) -> None:
         self.length = 0
+        self._last_hidden = None
 
     def truncate(self, length: int) -> None:
         self.length = check_truncate_length(length, self.length)
 
     def forward_token(self, token: int) -> np.ndarray:  # [vocab]
-        return self.runner.submit(BatchJob(self, self._check([token]), prefill=False))[0]
+        return self._submit(BatchJob(self, self._check([token]), prefill=False))[0]
 
     def forward_batch(self, tokens: Sequence[int]) -> np.ndarray:  # [n, vocab]
         ids = self._check(tokens)
-        return self.runner.submit(BatchJob(self, ids, prefill=ids.size > self.max_verify_len))
+        return self._submit(BatchJob(self, ids, prefill=ids.size > self.max_verify_len))
 
     def prefill(self, tokens: Sequence[int]) -> np.ndarray:  # [vocab]
-        return self.runner.submit(BatchJob(self, self._check(tokens), prefill=True, keep_all=False))
+        return self._submit(BatchJob(self, self._check(tokens), prefill=True, keep_all=False))
+
+    def last_hidden_states(self) -> np.ndarray:  # [rows, K * hidden]
+        """The hidden states of the rows whose logits the last forward_token / forward_batch /
+        prefill returned (`HiddenStateSource`), as `OrtDecoder.last_hidden_states` gives them."""
+        if self.hidden_state_layers is None:
+            raise InvalidOptionError("this batched model returns no hidden states (export it "
+                                     "with `--draft-head` or `--hidden-states`)")
+        if self._last_hidden is None:
+            raise InvalidOptionError("no hidden states yet: call forward_token, forward_batch "
+                                     "or prefill first")
+        return self._last_hidden.copy()
+
+    def _submit(self, job: BatchJob) -> np.ndarray:
+        self._last_hidden = None
+        result = self.runner.submit(job)
+        self._last_hidden = job.hidden
+        return result
 
     def release(self) -> None:
         """The request is over: the pool row goes back (the cache is dropped)."""

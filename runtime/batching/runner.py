@@ -286,9 +286,11 @@ class BatchRunner:
                 self._fail_prefill(job, e)
             return
         self.stats.prefill_calls += 1
+        hidden = self._hidden()
         first = 0
         for (job, n), rows in zip(plan, take, strict=True):
             got = logits[first: first + rows.size]  # [1 or n, vocab]
+            got_hidden = None if hidden is None else hidden[first: first + rows.size]
             first += rows.size
             row = job.row
             error = non_finite_logits(  # the rows read (a prompt chunk: its last)
@@ -298,13 +300,16 @@ class BatchRunner:
                 continue
             row.length += n
             job.offset += n
-            if job.keep_all:
-                job.parts.append(got.copy())
-            else:  # only the last chunk's row is the result
-                job.parts = [got.copy()]
+            if not job.keep_all:  # only the last chunk's row is the result
+                job.parts, job.hidden_parts = [], []
+            job.parts.append(got.copy())
+            if got_hidden is not None:
+                job.hidden_parts.append(got_hidden.copy())
             if job.offset >= job.tokens.size:
                 self._keep_prefix(job)
                 job.result = np.concatenate(job.parts) if job.keep_all else job.parts[-1][0]
+                if job.hidden_parts:
+                    job.hidden = np.concatenate(job.hidden_parts)
                 job.done.set()
 
     def _prefill_plan(self, jobs: list[BatchJob]) -> list[tuple[BatchJob, int]]:
@@ -436,6 +441,7 @@ class BatchRunner:
                 job.error = e
                 job.done.set()
             return
+        hidden = self._hidden()
         for i, job in by_index.items():
             n = job.tokens.size
             rows = logits[offsets[i]:offsets[i] + n]
@@ -446,8 +452,15 @@ class BatchRunner:
                 job.error = error
             else:
                 job.result = rows.copy()
+                if hidden is not None:
+                    job.hidden = hidden[offsets[i]:offsets[i] + n].copy()
                 row.length += n
             job.done.set()
+
+    def _hidden(self) -> np.ndarray | None:
+        """The last call's hidden states [N, K * hidden], rows as its logits'; None where the
+        backend returns none."""
+        return None if self.backend.hidden_state_layers is None else self.backend.last_hidden()
 
 
 def _pad_into(out: np.ndarray, tokens: np.ndarray) -> None:

@@ -161,6 +161,29 @@ def calibrated_cost_curve(decoder: Decoder, key: CalibrationKey | str | os.PathL
     return curve
 
 
+def calibrated_step_ratio(draft: Decoder, target: Decoder, key: CalibrationKey, *,
+                          draft_id: str, refresh: bool = False) -> float:
+    """`step_cost_ratio(draft, target)`, cached beside the target's cost curve (`key`) under
+    `draft_id` (what identifies the draft: its name and graph digest); measured when missing or
+    on `refresh`. A draft's price then stays the same from one load of the model to the next,
+    and so do the block sizes of a seeded request and hence its output."""
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in draft_id)
+    path = cache_root() / "calibration" / key.file_name().replace(".json", f"-step-{safe}.json")
+    if not refresh:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            ratio = data["ratio"]
+            if data.get("version") == CALIBRATION_VERSION and isinstance(ratio, float) \
+                    and ratio > 0:
+                return ratio
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    ratio = step_cost_ratio(draft, target)
+    _store(path, {"version": CALIBRATION_VERSION, "model": key.model_dir, "draft": draft_id,
+                  "ratio": ratio})
+    return ratio
+
+
 def _store(path: Path, data: dict) -> None:
     """Write a measurement to the cache atomically; a read-only cache only costs a
     re-measurement next time."""

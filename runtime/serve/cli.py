@@ -47,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help="requests waiting for a slot; beyond that the answer is 503")
     p.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES,
-                   help="auto (the default): eagle3 where the model lists a draft head, else "
-                        "prompt-lookup")
+                   help="auto (the default): eagle3 where the model lists a draft head and "
+                        "decodes each request on calls of its own, else prompt-lookup; a "
+                        "batched export with a head drafts with it when asked (eagle3)")
     p.add_argument("--prefix-cache-mib", type=float, default=DEFAULT_PREFIX_CACHE_MIB,
                    help="with a batching model: MiB of recent prompts' keys and values kept "
                         "for requests that start the same (a shared system prompt, earlier "

@@ -5,7 +5,8 @@ import pytest
 
 from ortspec.runtime import DraftBlock, PromptLookupSpeculator, ReferenceConfig, ReferenceDecoder, SpeculativeOptions
 from ortspec.runtime import plain_decode, speculative_decode_with
-from ortspec.runtime.draft_length.calibration import CostCurve, calibrated_cost_curve
+from ortspec.runtime.draft_length.calibration import CalibrationKey, CostCurve, calibrated_cost_curve, \
+    calibrated_step_ratio
 from ortspec.runtime.draft_length.policy import AcceptanceModel, AdaptiveDraftLength, expected_tokens
 
 CPU_LIKE = CostCurve((1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8))  # c(n) = 0.9 + 0.1 n
@@ -67,6 +68,31 @@ def test_calibration_is_measured_once_then_read_from_the_cache(tmp_path, monkeyp
     assert len(files) == 1
     again = calibrated_cost_curve(decoder, tmp_path / "model")
     assert again == curve  # read back, not re-measured
+
+
+def test_a_drafts_step_ratio_is_measured_once_per_draft_then_read_from_the_cache(tmp_path,
+                                                                                  monkeypatch):
+    """A seeded request's block sizes follow the draft's price, so the price must not change
+    from one load to the next: measured once per (target, draft), then read back."""
+    monkeypatch.setenv("ORTSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    key = CalibrationKey(str(tmp_path / "model"), "ab" * 8)
+    draft = ReferenceDecoder(ReferenceConfig(vocab_size=32, capacity=128))
+    target = ReferenceDecoder(ReferenceConfig(vocab_size=32, capacity=128, d_model=64))
+    ratio = calibrated_step_ratio(draft, target, key, draft_id="head-x/1")
+    assert ratio > 0
+
+    class Untimed(ReferenceDecoder):
+        def forward_token(self, token):
+            raise AssertionError("measured again instead of read from the cache")
+
+    cold = Untimed(ReferenceConfig(vocab_size=32, capacity=128))
+    assert calibrated_step_ratio(cold, target, key, draft_id="head-x/1") == ratio
+    with pytest.raises(AssertionError, match="measured again"):  # another draft: measured
+        calibrated_step_ratio(cold, target, key, draft_id="head-y")
+    with pytest.raises(AssertionError, match="measured again"):  # refresh: measured
+        calibrated_step_ratio(cold, target, key, draft_id="head-x/1", refresh=True)
+    names = sorted(p.name for p in (tmp_path / "cache" / "calibration").glob("*.json"))
+    assert len(names) == 1 and "-step-head-x_1" in names[0]
 
 
 def test_a_verify_slower_than_calibrated_is_learned_and_drafting_stops_paying():
