@@ -13,7 +13,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 
@@ -21,6 +21,8 @@ from ..ort.graph_io import call_width
 from ..ort.machine import cpu_model
 from ..paths import cache_root
 from ..decoding.protocols import Decoder
+
+T = TypeVar("T")
 
 # 2: cost surfaces have a one-token column (curves re-measured too); 3: a surface's call has one
 # row of `tokens` tokens and the others one each
@@ -131,8 +133,13 @@ class CalibrationKey:
 
 
 def machine_key(providers: Sequence[str]) -> str:
-    key = f"{providers[0] if providers else 'unknown'}-{cpu_model()}-{os.cpu_count()}cpu"
-    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in key)
+    return _file_safe(f"{providers[0] if providers else 'unknown'}-{cpu_model()}-"
+                      f"{os.cpu_count()}cpu")
+
+
+def _file_safe(text: str) -> str:
+    """text with every character but letters, digits and -_. replaced by _ (for file names)."""
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in text)
 
 
 def calibrated_cost_curve(decoder: Decoder, key: CalibrationKey | str | os.PathLike, *,
@@ -144,16 +151,16 @@ def calibrated_cost_curve(decoder: Decoder, key: CalibrationKey | str | os.PathL
         key = CalibrationKey(str(key))
     max_len = decoder.max_verify_len or 16
     path = cache_root() / "calibration" / key.file_name()
-    if not refresh:
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            secs = data["seconds"]
-            if data.get("version") == CALIBRATION_VERSION and len(secs) == max_len and all(
-                isinstance(x, float) and x > 0 for x in secs
-            ):
-                return CostCurve(tuple(secs)).padded_to(key.min_rows)
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+
+    def read(data: dict) -> CostCurve | None:
+        secs = data["seconds"]
+        if len(secs) == max_len and all(isinstance(x, float) and x > 0 for x in secs):
+            return CostCurve(tuple(secs)).padded_to(key.min_rows)
+        return None
+
+    cached = None if refresh else _read_cached(path, read)
+    if cached is not None:
+        return cached
     curve = CostCurve.measure(decoder, max_len=max_len).padded_to(key.min_rows)
     _store(path, {"version": CALIBRATION_VERSION, "providers": list(key.providers),
                   "model": key.model_dir, "seconds": list(curve.seconds),
@@ -167,21 +174,31 @@ def calibrated_step_ratio(draft: Decoder, target: Decoder, key: CalibrationKey, 
     `draft_id` (what identifies the draft: its name and graph digest); measured when missing or
     on `refresh`. A draft's price then stays the same from one load of the model to the next,
     and so do the block sizes of a seeded request and hence its output."""
-    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in draft_id)
-    path = cache_root() / "calibration" / key.file_name().replace(".json", f"-step-{safe}.json")
-    if not refresh:
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            ratio = data["ratio"]
-            if data.get("version") == CALIBRATION_VERSION and isinstance(ratio, float) \
-                    and ratio > 0:
-                return ratio
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+    path = cache_root() / "calibration" / key.file_name().replace(
+        ".json", f"-step-{_file_safe(draft_id)}.json")
+
+    def read(data: dict) -> float | None:
+        ratio = data["ratio"]
+        return ratio if isinstance(ratio, float) and ratio > 0 else None
+
+    cached = None if refresh else _read_cached(path, read)
+    if cached is not None:
+        return cached
     ratio = step_cost_ratio(draft, target)
     _store(path, {"version": CALIBRATION_VERSION, "model": key.model_dir, "draft": draft_id,
                   "ratio": ratio})
     return ratio
+
+
+def _read_cached(path: Path, read: Callable[[dict], T | None]) -> T | None:
+    """read(data) of the measurement cached at `path`, when the file holds one of this
+    CALIBRATION_VERSION that `read` accepts (it returns None for data it refuses, and may
+    raise KeyError or TypeError on a malformed file); else None: measure again."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return read(data) if data.get("version") == CALIBRATION_VERSION else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def _store(path: Path, data: dict) -> None:
@@ -283,17 +300,18 @@ def calibrated_cost_surface(backend, key: CalibrationKey, *, max_len: int,
     `<curve's>-batch<max_rows>.json`)."""
     path = cache_root() / "calibration" / key.file_name().replace(
         ".json", f"-batch{backend.max_rows}.json")
-    if not refresh:
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            surface = CostSurface(tuple(data["rows"]), tuple(data["tokens"]),
-                                  tuple(tuple(line) for line in data["seconds"]))
-            if data.get("version") == CALIBRATION_VERSION and surface.tokens[-1] == max_len \
-                    and surface.rows[-1] == backend.max_rows and all(
-                    x > 0 for line in surface.seconds for x in line):
-                return surface
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+
+    def read(data: dict) -> CostSurface | None:
+        surface = CostSurface(tuple(data["rows"]), tuple(data["tokens"]),
+                              tuple(tuple(line) for line in data["seconds"]))
+        if surface.tokens[-1] == max_len and surface.rows[-1] == backend.max_rows and all(
+                x > 0 for line in surface.seconds for x in line):
+            return surface
+        return None
+
+    cached = None if refresh else _read_cached(path, read)
+    if cached is not None:
+        return cached
     surface = CostSurface.measure(backend, max_len=max_len, floors=floors)
     _store(path, {"version": CALIBRATION_VERSION, "model": key.model_dir,
                   "rows": list(surface.rows), "tokens": list(surface.tokens),

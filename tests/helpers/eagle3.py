@@ -88,3 +88,20 @@ class NumpyHead:
             outs.append(y)
             logits.append(y @ self.out)
         return np.array(logits, np.float32), np.array(outs, np.float32)
+
+
+
+def tiny_llama_and_head(root):
+    """A tiny random Llama (8 layers) in root/src and a tiny speculators-format EAGLE-3 head for
+    it (layers 2, 4, 5; a draft vocabulary of 100) in root/head: (src, head) directories, for
+    `export_model(src, draft_head=head, ...)`. Needs the export extra (torch)."""
+    from pathlib import Path
+
+    from ortspec.export.eagle3 import SPECULATORS
+    from ortspec.export.tiny import make_tiny_llama, tiny_eagle3_weights, write_eagle3_head
+
+    root = Path(root)
+    src = make_tiny_llama(root / "src", seed=4, num_hidden_layers=8)
+    head = write_eagle3_head(root / "head", tiny_eagle3_weights(draft_vocab=100, seed=3),
+                             fmt=SPECULATORS, layer_ids=[2, 4, 5])
+    return src, head

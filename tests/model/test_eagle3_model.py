@@ -21,13 +21,10 @@ PROMPTS = [[5, 77, 301, 12, 190, 45, 9, 260, 33, 101], [7, 8, 9, 7, 8, 9, 7, 8],
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     from ortspec.export import export_model
-    from ortspec.export.eagle3 import SPECULATORS
-    from ortspec.export.tiny import make_tiny_llama, tiny_eagle3_weights, write_eagle3_head
+    from helpers.eagle3 import tiny_llama_and_head
 
     root = tmp_path_factory.mktemp("eagle3-model")
-    src = make_tiny_llama(root / "src", seed=4, num_hidden_layers=8)
-    head = write_eagle3_head(root / "head", tiny_eagle3_weights(draft_vocab=100, seed=3),
-                             fmt=SPECULATORS, layer_ids=[2, 4, 5])
+    src, head = tiny_llama_and_head(root)
     with_head = export_model(src, out=root / "with-head", capacity=CAP, max_verify_len=VERIFY,
                              progress=False, draft_head=head)
     window = export_model(src, out=root / "window", capacity=CAP, max_verify_len=VERIFY,

@@ -5,13 +5,12 @@ malformed request in between gets an OpenAI error and the server keeps serving."
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed")
 
 from helpers.serve import Server  # noqa: E402
+from helpers.threads import in_threads  # noqa: E402
 
 pytestmark = pytest.mark.slow  # builds and exports a torch checkpoint, starts a server
 
@@ -22,13 +21,10 @@ PROMPTS = ["The quick brown fox", "Speculative decoding drafts", "Hello, world! 
 @pytest.fixture(scope="module")
 def window_with_head(tmp_path_factory):
     from ortspec.export import export_model
-    from ortspec.export.eagle3 import SPECULATORS
-    from ortspec.export.tiny import make_tiny_llama, tiny_eagle3_weights, write_eagle3_head
+    from helpers.eagle3 import tiny_llama_and_head
 
     root = tmp_path_factory.mktemp("eagle3-serve")
-    src = make_tiny_llama(root / "src", seed=4, num_hidden_layers=8)
-    head = write_eagle3_head(root / "head", tiny_eagle3_weights(draft_vocab=100, seed=3),
-                             fmt=SPECULATORS, layer_ids=[2, 4, 5])
+    src, head = tiny_llama_and_head(root)
     return export_model(src, out=root / "tiny-window", capacity=256, max_verify_len=8,
                         attention="window", progress=False, draft_head=head)
 
@@ -46,33 +42,24 @@ def test_concurrent_openai_clients_get_the_serial_answers_with_eagle3(window_wit
     plain = [solo.generate(p, drafter=None, options=SpeculativeOptions(12, temperature=0.0)).text
              for p in PROMPTS]
     assert [serial[i] for i, (_, t, _) in enumerate(jobs) if t == 0.0] == plain
-    results: dict[int, str] = {}
-    errors: list[BaseException] = []
     server = Server(window_with_head, "--drafter", "eagle3", "--max-concurrent", "4",
                     "--threads", "2")
     try:
-        def worker(k: int) -> None:
+        def client_run(k: int) -> list[str]:  # client k asks jobs k, k + 4, k + 8
             c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
                               timeout=120)
-            for i in range(k, len(jobs), 4):
-                p, t, s = jobs[i]
-                try:
-                    results[i] = c.completions.create(
-                        model=window_with_head.name, prompt=p, max_tokens=12, temperature=t,
-                        seed=s, extra_body={"top_k": 40}).choices[0].text
-                    with pytest.raises(openai.BadRequestError, match="temperature"):
-                        c.completions.create(model=window_with_head.name, prompt=p,
-                                             max_tokens=4, temperature=-1)
-                except BaseException as e:  # noqa: BLE001 - reported below
-                    errors.append(e)
+            texts = []
+            for p, t, s in jobs[k::4]:
+                texts.append(c.completions.create(
+                    model=window_with_head.name, prompt=p, max_tokens=12, temperature=t,
+                    seed=s, extra_body={"top_k": 40}).choices[0].text)
+                with pytest.raises(openai.BadRequestError, match="temperature"):
+                    c.completions.create(model=window_with_head.name, prompt=p, max_tokens=4,
+                                         temperature=-1)
+            return texts
 
-        threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        assert not errors, errors
-        assert [results.get(i) for i in range(len(jobs))] == serial
+        by_client = in_threads(client_run, [0, 1, 2, 3], timeout=300)
+        assert [by_client[i % 4][i // 4] for i in range(len(jobs))] == serial
         assert server.metric("vllm:spec_decode_num_draft_tokens_total") > 0
         assert server.metric("vllm:num_requests_running") == 0
     finally:
