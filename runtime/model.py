@@ -1,9 +1,10 @@
 """`Model`: shared sessions + tokenizer + chat format, ready to serve (made by `load_model`).
 
 A `Model` holds what every request shares, read-only: the ONNX Runtime sessions (the weights,
-packed once), the tokenizer, the manifest, and the cost-model policy's cross-request estimates
-(guarded). A request is `start`: it checks the request (`request.check_request`), makes the
-request's policy view, and returns a `TokenStream`, which takes one request's state from a
+packed once), the tokenizer, the manifest, and the cost model (`costs.ModelCosts`: the
+draft-length policy's cross-request estimates, guarded). A request is `start`: it checks the
+request (`request.check_request`), makes the request's policy view, and returns a
+`stream.TokenStream`, which takes one request's state from a
 bounded pool (`SlotPool`: KV buffers, bindings and cache length) when it is first iterated,
 makes its drafter on it, and runs the decode loop (`decoding.loop.decode_steps`): two layers
 from `Model` to the loop. `generate` runs a stream to its end; `stream` is its text
@@ -31,34 +32,32 @@ from __future__ import annotations
 import dataclasses
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 from .ort import manifest as mf
-from .decoding.counters import DecodeCounters
 from .batching.backend import OrtBatchBackend
 from .batching.rows import BatchRow
 from .batching.runner import BatchRunner
 from .batching.prefix_cache import DEFAULT_PREFIX_CACHE_MIB, MIB
-from .draft_length.calibration import CalibrationKey, CostSurface, calibrated_cost_curve, \
-    calibrated_cost_surface, calibrated_step_ratio
-from .decoding.loop import Steps, decode_steps
 from .decoding.options import SpeculativeDecodeResult, SpeculativeOptions
-from .draft_length.policy import AdaptiveDraftLength, BatchCosts
+from .draft_length.policy import AdaptiveDraftLength
 from .drafters import NEEDS_DRAFT_HEAD, NEEDS_DRAFT_MODEL
 from .drafters.composite import CostAwareDrafter
-from .drafters.eagle3 import SOURCE as EAGLE3_SOURCE, Eagle3Drafter
+from .drafters.eagle3 import Eagle3Drafter
 from .drafters.draft_model import DEFAULT_DRAFT_CONTEXT, DraftModelDrafter
 from .drafters.prompt_lookup import PromptLookupSpeculator
 from .drafters.ngram_counts import NgramCountsDrafter
 from .drafters.target_cache import TargetCacheDrafter
 from .errors import InvalidOptionError, InvalidPromptError
 from .ort.decoder import OrtDecoder, kv_compatible
-from .ort.head import HeadSessions, HeadSteps, OrtDraftHead
-from .decoding.protocols import DraftLengthPolicy, Drafter
+from .ort.head import HeadSessions, OrtDraftHead
+from .decoding.protocols import Drafter
 from .ort.sessions import OrtSessions
 from .request import DrafterSpec, ModelFacts, check_drafter_spec, check_request, drafter_spec
 from .slots import DecodeSlot, SlotPool, WhenBusy
 from .decoding.text import TextStream
+from .stream import TokenStream
+from .costs import ModelCosts
 
 DEFAULT_MAX_CONCURRENT = 4  # decode slots a model makes at most unless told otherwise
 EAGLE3_MAX_DRAFT = 4  # the longest chain an eagle3 drafter drafts (EAGLE-3's training depth)
@@ -117,16 +116,13 @@ class Model:
                               timeout=busy_timeout)
         if draft_sessions is not None:
             self._attach_draft(draft_sessions)
-        self._surface: CostSurface | None = None
-        self._draft_surface: CostSurface | None = None  # the draft runner's, when it batches
         self._lock = threading.Lock()  # guards the lazily made own decoders
         self._draft_lock = threading.Lock()  # held while a listed draft loads
-        self._policy_lock = threading.Lock()  # held while the shared policy is made
-        self._policy: AdaptiveDraftLength | None = None
         self._decoder: OrtDecoder | None = None
         self._draft: OrtDecoder | None = None
         self._head_lock = threading.Lock()  # held while the draft head's sessions open
         self._head_sessions: HeadSessions | None = None
+        self.costs = ModelCosts(self)  # the cost model: prepared once, shared by requests
 
     @property
     def providers(self) -> list[str]:
@@ -176,9 +172,7 @@ class Model:
         with self._draft_lock:
             if self.draft_sessions is None:
                 self._attach_draft(self.listed_draft.open())
-                with self._policy_lock:
-                    if self._policy is not None:
-                        self._measure_draft(self._policy, refresh=False)
+                self.costs.draft_loaded()
         return self.draft_sessions
 
     def _attach_draft(self, draft_sessions: OrtSessions) -> None:
@@ -197,7 +191,7 @@ class Model:
             return OrtDecoder.sharing_kv(self.draft_sessions, target)
         return OrtDecoder.on(self.draft_sessions)
 
-    def _slot_draft(self, slot: DecodeSlot) -> OrtDecoder | BatchRow | None:
+    def slot_draft(self, slot: DecodeSlot) -> OrtDecoder | BatchRow | None:
         """The slot's draft decoder; made now for a slot made before the draft loaded."""
         if slot.draft is None and self.draft_sessions is not None:
             slot.draft = self._draft_for(slot.decoder)
@@ -325,6 +319,17 @@ class Model:
                                           prior=self._draft_agreement(), context=draft_context)
         return model_drafter if name == "draft-model" else CostAwareDrafter(lookup, model_drafter)
 
+    def slot_drafter(self, slot: DecodeSlot, drafter: Drafter | DrafterSpec | None
+                     ) -> Drafter | None:
+        """A request's drafter on its slot (`stream.StreamHost`): a `DrafterSpec` is made on the
+        slot's target and draft decoders; a drafter object (or None) is the request's own."""
+        if not isinstance(drafter, DrafterSpec):
+            return drafter
+        return self.make_drafter(drafter.name, ngram_size=drafter.ngram_size,
+                                 max_draft_len=drafter.max_draft_len,
+                                 draft_context=drafter.draft_context,
+                                 draft_decoder=self.slot_draft(slot), target=slot.decoder)
+
     def _draft_agreement(self) -> float | None:
         """The top-1 agreement with the target that the draft's export measured, if recorded."""
         if self.draft_sessions is None:
@@ -337,87 +342,22 @@ class Model:
     @property
     def prepared(self) -> bool:
         """Whether the cost model is ready (`prepare` has run)."""
-        return self._policy is not None
+        return self.costs.policy is not None
 
     def prepare(self, *, refresh: bool = False) -> AdaptiveDraftLength:
-        """Make the cost-model draft-length policy: read the cost curve from the calibration
-        cache, or measure it (a few seconds) on a slot of the pool, with the draft's step cost
-        and, for a batching model, the cost surface. Once per model (`refresh` measures again);
-        `load_model(..., calibrate=True)` and every command-line command call it before the
-        first request, and a `start` that needs it before then calls it before returning its
-        stream. Returns the policy (`draft_length_policy`)."""
-        with self._policy_lock:  # one thread measures; the others wait for its policy
-            if self._policy is not None and not refresh:
-                return self._policy
-            key = _calibration_key(self.sessions)
-            with self.slots.slot() as slot:  # measured on request state, never a running request's
-                curve = calibrated_cost_curve(slot.decoder, key, refresh=refresh)
-            if self.runner is not None:
-                self._surface = self.runner.exclusive(
-                    lambda backend, floors: calibrated_cost_surface(
-                        backend, key, max_len=self.runner.max_verify_len, floors=floors,
-                        refresh=refresh))
-            policy = AdaptiveDraftLength(curve)
-            self._measure_draft(policy, refresh=refresh)
-            self._measure_head(policy, refresh=refresh)
-            self._policy = policy
-            return policy
-
-    def _measure_draft(self, policy: AdaptiveDraftLength, *, refresh: bool) -> None:
-        """The draft's costs into `policy`, when a draft is loaded: its step against the
-        target's, and its batched one-token calls by rows when its runner batches."""
-        if self.draft_sessions is None:
-            return
-        with self.slots.slot() as slot:
-            # timings taken at different moments are not comparable on a drifting machine: the
-            # draft's step is measured against the target's, interleaved
-            draft = self._slot_draft(slot)
-            assert draft is not None
-            ratio = calibrated_step_ratio(
-                draft, slot.decoder, _calibration_key(self.sessions), refresh=refresh,
-                draft_id=_draft_id("draft", self.draft_sessions.model_dir,
-                                   self.draft_sessions.graph_digest, shares_kv=self.draft_shares_kv))
-            policy.draft_step_seconds = ratio * policy.curve.cost(1)
-        if self.draft_runner is not None:  # its one-token calls by rows: d(B, 1)
-            draft_key = _calibration_key(self.draft_sessions)
-            self._draft_surface = self.draft_runner.exclusive(
-                lambda backend, floors: calibrated_cost_surface(
-                    backend, draft_key, max_len=1, floors=floors, refresh=refresh))
-
-    def _measure_head(self, policy: AdaptiveDraftLength, *, refresh: bool) -> None:
-        """The draft head's drafted-token cost into `policy` (its `paid_steps` of the eagle3
-        source), when the manifest lists a head: a head step against the target's, interleaved
-        (cached like the draft's)."""
-        if self.manifest.draft_head is None:
-            return
-        sessions = self.load_head()
-        head = HeadSteps(OrtDraftHead.on(sessions))
-        digest = sessions.config.files.get(sessions.config.graphs["head"], "")
-        with self.slots.slot() as slot:
-            ratio = calibrated_step_ratio(head, slot.decoder, _calibration_key(self.sessions),
-                                          draft_id=_draft_id("head", sessions.head_dir, digest),
-                                          refresh=refresh)
-        policy.paid_steps[EAGLE3_SOURCE] = ratio * policy.curve.cost(1)
+        """Make the cost-model draft-length policy (`costs.ModelCosts.prepare`): read the cost
+        curve from the calibration cache, or measure it (a few seconds) on a slot of the pool,
+        with the draft's step cost and, for a batching model, the cost surface. Once per model
+        (`refresh` measures again); `load_model(..., calibrate=True)` and every command-line
+        command call it before the first request, and a `start` that needs it before then calls
+        it before returning its stream. Returns the policy (`draft_length_policy`)."""
+        return self.costs.prepare(refresh=refresh)
 
     def draft_length_policy(self, *, refresh: bool = False) -> AdaptiveDraftLength:
         """The cost-model draft-length policy whose estimates requests share (`prepare` makes
         it): each request gets a `for_request()` view, so what it learns about acceptance and
         call costs carries over, as in a server. `refresh` re-measures the curve."""
         return self.prepare(refresh=refresh)
-
-    def _request_policy(self, draft_length: Any, options: SpeculativeOptions
-                        ) -> DraftLengthPolicy | None:
-        if draft_length != "auto":
-            return draft_length
-        shared = self.prepare()  # a no-op once prepared
-        if options.seed is not None and options.temperature > 0:
-            return shared.for_seeded_request()  # the seed fixes the output
-        if self.runner is not None and self._surface is not None:
-            runner = self.runner
-            return shared.for_batch_row(BatchCosts(self._surface, lambda: runner.active_rows,
-                                                   draft=self._draft_surface,
-                                                   packs_tokens=runner.backend.packs_tokens))
-        return shared.for_request()
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -430,7 +370,7 @@ class Model:
         chat: bool = False,
         system: str | None = None,
         draft_length: Any = "auto",
-    ) -> "TokenStream":
+    ) -> TokenStream:
         """Start one request: check it, make its policy view, and return its `TokenStream`.
 
         `prompt`: text (encoded, through the chat format with `chat`, `system` as a system
@@ -472,7 +412,7 @@ class Model:
         ids = check_request(ids, options, drafter=spec or drafter, draft_length=draft_length,
                             facts=self.facts())
         assert ids is not None
-        policy = self._request_policy(draft_length, options) if drafter is not None else None
+        policy = self.costs.request_policy(draft_length, options) if drafter is not None else None
         return TokenStream(self, ids, spec or drafter, options, policy)
 
     def generate(self, prompt: str | Sequence[int], **request: Any) -> SpeculativeDecodeResult:
@@ -492,97 +432,3 @@ class Model:
         hold what was emitted and counted so far, also after the caller stopped early (a stop
         string, a client gone)."""
         return TextStream(self.start(prompt, **request), self.decode)
-
-
-class TokenStream:
-    """One request of a `Model` (made by `Model.start`), as the tokens its decode emits: a list
-    per target call (one token for a plain step, accepted drafts and the token after them for a
-    verify). `.tokens` and `.counters` hold what was emitted and counted so far; `.result` is
-    the `SpeculativeDecodeResult` (with `.text`) once the decode has ended, None before.
-
-    The stream owns the request's state: at the first `next()` it takes a decode slot from the
-    model's pool, makes the drafter on it (for a name or a `DrafterSpec`), and iterates the
-    decode loop (`decoding.loop.decode_steps`) with the request's policy; the slot goes back
-    when the decode ends, fails, or the stream is closed (`close()`, or garbage collection of a
-    stream dropped half way). Nothing else happens inside `next()`: the request was checked, and
-    any set-up done, by `Model.start`."""
-
-    def __init__(self, model: Model, prompt: list[int], drafter: Drafter | DrafterSpec | None,
-                 options: SpeculativeOptions, policy: DraftLengthPolicy | None) -> None:
-        self.model = model
-        self.prompt = prompt
-        self.options = options
-        self.tokens: list[int] = []  # emitted so far
-        self.counters = DecodeCounters()  # filled in as the decode goes
-        self.result: SpeculativeDecodeResult | None = None
-        self._drafter, self._policy = drafter, policy
-        self._slot: DecodeSlot | None = None
-        self._steps: Steps | None = None
-        self._done = False
-
-    def __iter__(self) -> Iterator[list[int]]:
-        return self
-
-    def __next__(self) -> list[int]:
-        if self._done:
-            raise StopIteration
-        if self._steps is None:
-            self._begin()
-        assert self._steps is not None
-        try:
-            new = next(self._steps)
-        except StopIteration as stop:
-            self.result = stop.value
-            self.result.text = self.model.decode(self.result.tokens)
-            self.close()
-            raise StopIteration from None
-        except BaseException:
-            self.close()
-            raise
-        self.tokens.extend(new)
-        return new
-
-    def _begin(self) -> None:
-        """Take a slot, make the drafter on it, open the decode loop."""
-        model = self.model
-        slot = self._slot = model.slots.acquire()
-        try:
-            drafter = self._drafter
-            if isinstance(drafter, DrafterSpec):
-                drafter = model.make_drafter(drafter.name, ngram_size=drafter.ngram_size,
-                                             max_draft_len=drafter.max_draft_len,
-                                             draft_context=drafter.draft_context,
-                                             draft_decoder=model._slot_draft(slot),
-                                             target=slot.decoder)
-            self._steps = decode_steps(slot.decoder, self.prompt, drafter, self.options,
-                                       draft_length=self._policy, counters=self.counters)
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        """End the request: the decode loop is closed and the slot given back (idempotent)."""
-        self._done = True
-        steps, self._steps = self._steps, None
-        slot, self._slot = self._slot, None
-        try:
-            if steps is not None:
-                steps.close()  # the loop's claims on the decoder, drafter and policy end
-        finally:
-            if slot is not None:
-                self.model.slots.release(slot)
-
-    def __del__(self) -> None:
-        if self._slot is not None:
-            self.close()
-
-
-def _draft_id(kind: str, directory: Path, digest: str, *, shares_kv: bool = False) -> str:
-    """What a draft's cached step ratio is filed under: its kind, directory name and graph."""
-    return f"{kind}-{Path(directory).name}-{digest[:16]}" + ("-shared" if shares_kv else "")
-
-
-def _calibration_key(sessions: OrtSessions) -> CalibrationKey:
-    """What the cost curve or surface measured on these sessions' calls is cached under."""
-    return CalibrationKey(str(sessions.model_dir), sessions.graph_digest, tuple(sessions.providers),
-                          sessions.intra_op_threads, sessions.min_call_rows)

@@ -27,10 +27,11 @@ call of several prompts shares the cost of reading the weights that each chunk p
   temperature; the per-row sampling is the request's own.
 - **Failures stay in their row.** Non-finite logits fail only the row they appear in; an
   error of the whole call fails the jobs in it, and the runner goes on.
-- **Prompts that start the same** (`prefix_cache_bytes`): a prompt read into an empty row is
-  kept in a `PrefixCache`, and a later prompt copies the keys and values of the tokens it
-  shares with one instead of computing them (exact, as the calls are row-invariant). A prompt
-  that shares a long prefix with an older one still being read waits for it.
+- **Prompts that start the same** (`prefix_cache_bytes`, `prompts.PromptPrefixes`): a prompt
+  read into an empty row is kept in a `PrefixCache`, and a later prompt copies the keys and
+  values of the tokens it shares with one instead of computing them (exact, as the calls are
+  row-invariant). A prompt that shares a long prefix with an older one still being read waits
+  for it.
 
 The rows' capacity is the pool's less `max_verify_len`: a row carried along appends at most
 that many padding tokens.
@@ -51,14 +52,14 @@ from .backend import BatchBackend
 from .rows import BatchJob, BatchRow, BatchStats
 from ..errors import ModelBusyError, OrtspecError
 from ..ort.graph_io import call_width
-from .prefix_cache import PrefixCache, shared_prefix
+from .prefix_cache import PrefixCache
+from .prompts import PromptPrefixes
 from ..validation import check_int, non_finite_logits
 
 GATHER_SECONDS = 0.003  # the least a call waits for the decoding rows that have no job yet
 WAIT_FRACTION = 0.5  # ... and the most, as a fraction of a recent batched call's duration
 CALL_ALPHA = 0.2  # weight of the newest call in that recent duration
 BATCH_PREFILL_TOKENS = 128  # prompt tokens one prefill call reads, of all rows (the others decode)
-PREFIX_WAIT_TOKENS = 16  # a prompt waits for an older one's if it then copies this many more
 IDLE_SECONDS = 1.0  # an idle runner thread checks this often whether its model is still used
 
 
@@ -70,13 +71,14 @@ class BatchRunner:
                  prefix_cache_bytes: int = 0) -> None:
         check_int("max_verify_len", max_verify_len, minimum=1)
         self.backend = backend
-        # prompts' keys and values kept for later prompts that start the same (0: none)
-        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
         self.max_verify_len = min(int(max_verify_len), backend.max_call)
         self.gather_seconds = float(gather_seconds)
         check_int("prefill_chunk", prefill_chunk, minimum=1)
         self.prefill_chunk = int(prefill_chunk)  # prompt tokens a prefill call reads in all
         self.stats = BatchStats()
+        # prompts' keys and values kept for later prompts that start the same (0: none)
+        self.prefixes = PromptPrefixes(PrefixCache(prefix_cache_bytes), backend, self.stats) \
+            if prefix_cache_bytes else None
         self._cond = threading.Condition()
         self._slots: list[BatchRow | None] = [None] * backend.max_rows  # pool row -> its row
         self._jobs: dict[BatchRow, BatchJob] = {}  # decode jobs waiting for the next call
@@ -306,7 +308,8 @@ class BatchRunner:
             if got_hidden is not None:
                 job.hidden_parts.append(got_hidden.copy())
             if job.offset >= job.tokens.size:
-                self._keep_prefix(job)
+                if self.prefixes is not None:
+                    self.prefixes.keep(job)
                 job.result = np.concatenate(job.parts) if job.keep_all else job.parts[-1][0]
                 if job.hidden_parts:
                     job.hidden = np.concatenate(job.hidden_parts)
@@ -324,7 +327,8 @@ class BatchRunner:
         for k, job in enumerate(jobs):
             if budget <= 0 or (plan and job.keep_all):
                 break
-            if job.start is None and self._waits_for_prefix(job, jobs[:k]):
+            if job.start is None and self.prefixes is not None \
+                    and self.prefixes.waits(job, jobs[:k]):
                 continue
             self._begin_prefill(job)
             n = min(job.tokens.size - job.offset, budget, self.backend.max_call)
@@ -345,68 +349,19 @@ class BatchRunner:
         lo, hi = plan[0][0].row.index, plan[-1][0].row.index + 1  # type: ignore[operator]
         return lo, hi, call_width(1, max(n for _, n in plan), self.backend.min_rows)
 
-    def _waits_for_prefix(self, job: BatchJob, older: list[BatchJob]) -> bool:
-        """Whether a prompt not begun yet is better read later: an older prompt being read
-        (into the cache once done) shares PREFIX_WAIT_TOKENS more leading tokens with it than
-        the cache holds now. Several chat requests arriving at once then compute their system
-        prompt once; the oldest prompt never waits."""
-        cache = self.prefix_cache
-        if cache is None or job.keep_all or job.row.length != 0:
-            return False
-        limit = job.tokens.size - 1
-        coming = max((min(limit, shared_prefix(job.tokens, j.tokens)) for j in older
-                      if j.start is not None and self._prefix_cache_for(j) is not None
-                      and j.tokens.size * self.backend.token_bytes <= cache.max_bytes),
-                     default=0)
-        if coming < PREFIX_WAIT_TOKENS:
-            return False
-        return coming - cache.match(job.tokens)[1] >= PREFIX_WAIT_TOKENS
-
     def _begin_prefill(self, job: BatchJob) -> None:
         """A prefill's first call: the row's length is noted, and a prompt on an empty row
         starts from the longest cached prefix it has."""
         if job.start is None:
             job.start = job.row.length
-            self._reuse_prefix(job)
+            if self.prefixes is not None:
+                self.prefixes.reuse(job)
 
     def _fail_prefill(self, job: BatchJob, error: BaseException) -> None:
         assert job.start is not None
         job.row.length = job.start
         job.error = error
         job.done.set()
-
-    def _prefix_cache_for(self, job: BatchJob) -> PrefixCache | None:
-        """The prefix cache, for a prefill that reads a prompt into an empty row and wants only
-        its last logits; None for any other (or without a cache)."""
-        return None if job.start != 0 or job.keep_all else self.prefix_cache
-
-    def _reuse_prefix(self, job: BatchJob) -> None:
-        """A prompt on an empty row: copy the keys and values of the longest cached prefix it
-        starts with, and prefill from there (only its last chunk's logits are wanted)."""
-        row, cache = job.row, self._prefix_cache_for(job)
-        if cache is None:
-            return
-        entry, n = cache.match(job.tokens)
-        self.stats.record_prefix(queried=job.tokens.size, hit=n)
-        if entry is not None:
-            assert row.index is not None
-            self.backend.load(row.index, entry.kv, n)
-            row.length = job.offset = n
-
-    def _keep_prefix(self, job: BatchJob) -> None:
-        """A prompt read from an empty row: its keys and values go into the prefix cache."""
-        row, cache = job.row, self._prefix_cache_for(job)
-        if cache is None:
-            return
-        n = job.tokens.size
-        nbytes = n * self.backend.token_bytes
-        if cache.wants(job.tokens, nbytes):
-            assert row.index is not None
-            try:
-                saved = self.backend.save(row.index, n)
-            except MemoryError:  # the cache is an optimisation: the request goes on without it
-                return
-            cache.add(job.tokens, saved, nbytes)
 
     def _decode_call(self, jobs: list[BatchJob]) -> None:
         jobs = [j for j in jobs if not j.done.is_set()]

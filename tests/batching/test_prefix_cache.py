@@ -159,7 +159,7 @@ def test_prefill_after_a_copied_prefix_is_bitwise_the_whole_prefill(window_fp32)
     from ortspec.runtime.ort.decoder import OrtDecoder
 
     model = load_model(window_fp32, max_concurrent=2)
-    assert model.runner is not None and model.runner.prefix_cache is not None
+    assert model.runner is not None and model.runner.prefixes is not None
     solo = OrtDecoder.on(model.sessions)
     first = model.encode("Name a planet.", chat=True)
     second = model.encode("Name three rivers in Europe, with their lengths.", chat=True)
@@ -187,7 +187,7 @@ def test_chat_requests_sharing_the_system_prompt_give_their_solo_outputs(window_
     solo = load_model(window_fp32, max_concurrent=1, batch=False)
     model = load_model(window_fp32, max_concurrent=3)
     off = load_model(window_fp32, max_concurrent=3, prefix_cache_mib=0)
-    assert off.runner is not None and off.runner.prefix_cache is None
+    assert off.runner is not None and off.runner.prefixes is None
     questions = ["Name a fruit.", "What is 3 + 4?", "Say hello in French.", "Name a fruit."]
     for q in questions:
         for drafter in ("none", "prompt-lookup"):

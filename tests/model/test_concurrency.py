@@ -282,14 +282,14 @@ def test_start_gives_a_token_stream_that_owns_its_slot_and_prepares_up_front(tin
     first next(); the stream yields a list of tokens per target call, takes its slot at the
     first next() and gives it back at the end; generate and stream give the same tokens, and
     the text of any token iterator is its detokenised text."""
-    import ortspec.runtime.model as model_mod
+    import ortspec.runtime.costs as costs_mod
     from ortspec.runtime import Detokenizer, detokenize
 
     model = load_model(tiny_dir, max_concurrent=2)
     assert not model.prepared
     stream = model.start(PROMPTS[0], options=_options(0.0, None))
     assert model.prepared and model.slots.in_use == 0  # prepared in start; no slot yet
-    monkeypatch.setattr(model_mod, "calibrated_cost_curve",
+    monkeypatch.setattr(costs_mod, "calibrated_cost_curve",
                         lambda *a, **k: pytest.fail("calibrated inside the stream"))
     steps = list(stream)
     assert model.slots.in_use == 0 and all(isinstance(s, list) and s for s in steps)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ortspec.runtime.batching import prefix_cache, runner
+from ortspec.runtime.batching import prefix_cache, prompts, runner
 from ortspec.runtime.decoding import protocols
 from ortspec.runtime.drafters import draft_model, target_cache
 from ortspec.runtime.model import DEFAULT_MAX_CONCURRENT
@@ -62,7 +62,7 @@ QUOTED = [
     ("docs/batching.md", r"prefill calls of up to (\d+) tokens in all", runner.BATCH_PREFILL_TOKENS),
     ("docs/serve.md", r"prefill calls of up to (\d+) prompt tokens in all", runner.BATCH_PREFILL_TOKENS),
     # the prefix-wait threshold and the barrier
-    ("docs/architecture.md", r"at least (\d+) more tokens \(`PREFIX_WAIT_TOKENS`\)", runner.PREFIX_WAIT_TOKENS),
+    ("docs/architecture.md", r"at least (\d+) more tokens \(`PREFIX_WAIT_TOKENS`\)", prompts.PREFIX_WAIT_TOKENS),
     ("docs/architecture.md", r"never less than (\d+) ms \(`GATHER_SECONDS`\)", round(runner.GATHER_SECONDS * 1000)),
     ("docs/architecture.md", r"\(`WAIT_FRACTION` ([\d.]+) of", runner.WAIT_FRACTION),
     # the ORT decoder's prompt chunks, and the fallback of a decoder that states no block limit
