@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..errors import InvalidOptionError
+from ..decoding.protocols import last_hidden_copy
 from ..validation import check_token_block, check_truncate_length
 from .backend import BatchBackend
 
@@ -128,13 +128,10 @@ class BatchRow:
     def last_hidden_states(self) -> np.ndarray:  # [rows, K * hidden]
         """The hidden states of the rows whose logits the last forward_token / forward_batch /
         prefill returned (`HiddenStateSource`), as `OrtDecoder.last_hidden_states` gives them."""
-        if self.hidden_state_layers is None:
-            raise InvalidOptionError("this batched model returns no hidden states (export it "
-                                     "with `--draft-head` or `--hidden-states`)")
-        if self._last_hidden is None:
-            raise InvalidOptionError("no hidden states yet: call forward_token, forward_batch "
-                                     "or prefill first")
-        return self._last_hidden.copy()
+        return last_hidden_copy(
+            self._last_hidden, unavailable=None if self.hidden_state_layers is not None else
+            "this batched model returns no hidden states (export it with `--draft-head` or "
+            "`--hidden-states`)")
 
     def _submit(self, job: BatchJob) -> np.ndarray:
         self._last_hidden = None

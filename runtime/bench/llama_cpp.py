@@ -12,6 +12,7 @@ without it skips llama.cpp and says why (`LlamaCppMissing`).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import subprocess
 import sys
@@ -22,6 +23,10 @@ from ..errors import OrtspecError
 LLAMA_CPP_ENV = "ORTSPEC_LLAMA_CPP"
 SERVER, QUANTIZE = "llama-server", "llama-quantize"
 CONVERTER = "convert_hf_to_gguf.py"
+# what the converter imports for a Llama checkpoint (sentencepiece even for a BPE tokenizer: it
+# tries a tokenizer.model first), by pip name
+CONVERTER_MODULES = {"torch": "torch", "transformers": "transformers", "numpy": "numpy",
+                     "sentencepiece": "sentencepiece", "google.protobuf": "protobuf"}
 # a Q4_1 file laid out like the default model's: every matrix Q4_1, the (tied) embedding Q8_0
 Q4_1_AS_SHIPPED = ("--pure", "--token-embedding-type", "q8_0")
 
@@ -112,13 +117,31 @@ def converter(llama: LlamaCpp) -> Path:
                           f"the binaries were built in")
 
 
+def check_converter_modules() -> None:
+    """LlamaCppMissing naming what to install when this interpreter lacks a module the
+    converter imports (CONVERTER_MODULES); called before any checkpoint is built."""
+    missing = [pip for module, pip in CONVERTER_MODULES.items() if not _importable(module)]
+    if missing:
+        raise LlamaCppMissing(f"llama.cpp's {CONVERTER} runs in this interpreter "
+                              f"({sys.executable}) and needs {', '.join(missing)}: "
+                              f"pip install {' '.join(missing)}")
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a dotted name whose parent is missing
+        return False
+
+
 def convert_hf(llama: LlamaCpp, hf_dir: Path, out: Path, *, outtype: str = "f16") -> Path:
     """The Hugging Face checkpoint `hf_dir` as a GGUF file `out` (`outtype` weights), by the
     checkout's own converter with its own gguf-py, in this interpreter (it needs
-    transformers); made once and reused while newer than the checkpoint's config.json."""
+    CONVERTER_MODULES); made once and reused while newer than the checkpoint's config.json."""
     if _fresh(out, hf_dir / "config.json"):
         return out
     script = converter(llama)
+    check_converter_modules()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         filter(None, [str(script.parent / "gguf-py"), os.environ.get("PYTHONPATH")]))}
     return _write_by(lambda tmp: [sys.executable, str(script), str(hf_dir), "--outfile", str(tmp),

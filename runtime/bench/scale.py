@@ -41,7 +41,8 @@ from pathlib import Path
 
 from . import provenance
 from ..errors import InvalidOptionError, OrtspecError
-from .llama_cpp import Q4_1_AS_SHIPPED, LlamaCpp, LlamaCppMissing, convert_hf, find_llama_cpp, \
+from .llama_cpp import Q4_1_AS_SHIPPED, LlamaCpp, LlamaCppMissing, check_converter_modules, \
+    convert_hf, converter, find_llama_cpp, \
     quantize, requantized, server_command
 from .server import ServerError, ServerProcess, free_port, ortspec_serve
 from .serving import run_batch
@@ -245,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         shapes = check_shapes(args.shapes)
         llama = find_llama_cpp(args.llama_cpp)
+        converter(llama)
+        check_converter_modules()
     except (InvalidOptionError, LlamaCppMissing) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from ..errors import DecoderContractError, DrafterError
+from ..errors import DecoderContractError, DrafterError, InvalidOptionError
 
 if TYPE_CHECKING:
     from .options import SpeculativeOptions
@@ -175,6 +175,18 @@ class HiddenStateSource(Protocol):
     hidden_state_layers: tuple[int, ...] | None
 
     def last_hidden_states(self) -> np.ndarray: ...  # [rows, len(hidden_state_layers) * hidden]
+
+
+def last_hidden_copy(last: np.ndarray | None, *, unavailable: str | None) -> np.ndarray:
+    """What a `HiddenStateSource`'s `last_hidden_states` returns: a copy of `last`, the last
+    call's rows [rows, K * hidden]. InvalidOptionError saying `unavailable` (why this model
+    returns none) when that is given, or that no call has returned any yet when `last` is None."""
+    if unavailable is not None:
+        raise InvalidOptionError(unavailable)
+    if last is None:
+        raise InvalidOptionError("no hidden states yet: call forward_token, forward_batch or "
+                                 "prefill first")
+    return last.copy()
 
 
 class DraftHead(Protocol):

@@ -54,6 +54,7 @@ from ..errors import ConcurrentUseError, InvalidOptionError, ManifestError
 from .graph_io import (ATTENTION_MASK, HIDDEN_STATES, INPUT_IDS, LOGIT_ROWS, LOGITS,
                        POSITION_IDS, TOKEN_ROWS, call_width, logit_rows_for)
 from .sessions import OrtSessions
+from ..decoding.protocols import last_hidden_copy
 from ..validation import check_logits, check_token_block, check_truncate_length
 
 
@@ -198,13 +199,9 @@ class OrtDecoder:
         [n, .] after forward_batch of n tokens. InvalidOptionError for a model exported
         without `--hidden-states`, or before any call (and after reset)."""
         with self._owned():
-            if self._hidden is None:
-                raise InvalidOptionError(f"{self.model_dir} was exported without hidden states "
+            return last_hidden_copy(self._last_hidden, unavailable=None if self._hidden is not None
+                                    else f"{self.model_dir} was exported without hidden states "
                                          f"(its manifest lists no hidden_state_layers)")
-            if self._last_hidden is None:
-                raise InvalidOptionError("no hidden states yet: call forward_token, "
-                                         "forward_batch or prefill first")
-            return self._last_hidden.copy()
 
     def prefill(self, tokens: Sequence[int]) -> np.ndarray:
         """forward_batch keeping only the last row: [vocab] float32, without an [n, vocab] array."""

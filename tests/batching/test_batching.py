@@ -96,6 +96,22 @@ def test_batched_rows_decode_exactly_as_alone_greedy(min_rows):
     runner.close()
 
 
+def test_a_row_of_a_backend_without_hidden_states_says_so():
+    """`BatchRow.last_hidden_states` on a backend that returns none names the export option
+    that adds them, before and after a call, and the row decodes on."""
+    from ortspec.runtime.errors import InvalidOptionError
+
+    runner = BatchRunner(ReferenceBatchBackend(GREEDY, max_rows=2, max_call=8), max_verify_len=8)
+    row = runner.row()
+    assert row.hidden_state_layers is None
+    for _ in range(2):
+        with pytest.raises(InvalidOptionError, match="returns no hidden states .*--draft-head"):
+            row.last_hidden_states()
+        assert row.forward_token(3).shape == (GREEDY.vocab_size,)
+    row.release()
+    runner.close()
+
+
 def test_a_row_leaving_moves_the_last_row_into_its_place():
     """A short request ends while longer ones run: the pool stays contiguous (the last row is
     moved into the hole) and the moved request goes on exactly."""

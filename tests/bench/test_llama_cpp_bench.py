@@ -196,6 +196,23 @@ open(args[args.index("--outfile") + 1], "w").write(gguf.WHERE + " " + args[0])
     assert (tmp_path / "runs").read_text().split() == ["f16"]  # once
 
 
+def test_a_missing_converter_module_is_named_before_the_converter_runs(tmp_path, monkeypatch):
+    """The converter runs in this interpreter: a module it imports that is missing here is
+    refused up front with what to install, and the converter is not run."""
+    llama = lc.find_llama_cpp(_fake_build(tmp_path))
+    (tmp_path / "gguf-py").mkdir()
+    _script(tmp_path / lc.CONVERTER, f"open({str(tmp_path / 'ran')!r}, 'w').write('x')\n")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    monkeypatch.setattr(lc, "CONVERTER_MODULES",
+                        {"numpy": "numpy", "no_such_module_xyz": "no-such-pkg",
+                         "no_such_parent_xyz.child": "no-such-parent"})
+    with pytest.raises(lc.LlamaCppMissing, match="pip install no-such-pkg no-such-parent$"):
+        lc.convert_hf(llama, hf, tmp_path / "m.gguf")
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "m.gguf").exists()
+
+
 def test_percentiles_take_the_sorted_value_at_the_rounded_rank():
     from ortspec.runtime.bench.serving_report import percentile
 
