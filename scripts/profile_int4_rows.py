@@ -92,6 +92,45 @@ def nbits_model(w: np.ndarray, copies: int, *, bits: int, block: int, level: int
     return _graph("nbits", k, n, copies, node, inits)
 
 
+def row_int8_model(w: np.ndarray, copies: int) -> bytes:
+    """The candidate of `--row-int8`: int8 weights with a scale per output column (symmetric),
+    activations quantized to int8 per row (symmetric, scale max|a| / 127), `MatMulInteger`
+    (MLAS's integer GEMM, int32 sums) and the two scales applied after. Every row's result is
+    that row's alone, whatever the other rows hold (integer sums are exact), so a call of any
+    row count computes what a lone row does."""
+    n, k = w.shape
+    col = np.maximum(np.abs(w).max(axis=1), 1e-12) / 127.0  # [N]
+    wq = np.clip(np.round(w / col[:, None]), -127, 127).astype(np.int8)  # [N, K]
+    inits = [numpy_helper.from_array(np.array(1e-12, np.float32), "eps"),
+             numpy_helper.from_array(np.array(127.0, np.float32), "q")]
+    for i in range(copies):
+        inits.append(numpy_helper.from_array(np.ascontiguousarray(wq.T), f"B{i}"))
+        inits.append(numpy_helper.from_array(col.astype(np.float32), f"C{i}"))
+
+    def chain(i):
+        return [
+            helper.make_node("Abs", ["A"], [f"abs{i}"]),
+            helper.make_node("ReduceMax", [f"abs{i}"], [f"amax{i}"], axes=[1], keepdims=1),
+            helper.make_node("Max", [f"amax{i}", "eps"], [f"amaxe{i}"]),
+            helper.make_node("Div", [f"amaxe{i}", "q"], [f"s{i}"]),  # [M, 1]
+            helper.make_node("Div", ["A", f"s{i}"], [f"as{i}"]),
+            helper.make_node("Round", [f"as{i}"], [f"ar{i}"]),
+            helper.make_node("Cast", [f"ar{i}"], [f"aq{i}"], to=TensorProto.INT8),
+            helper.make_node("MatMulInteger", [f"aq{i}", f"B{i}"], [f"y32{i}"]),
+            helper.make_node("Cast", [f"y32{i}"], [f"yf{i}"], to=TensorProto.FLOAT),
+            helper.make_node("Mul", [f"yf{i}", f"s{i}"], [f"yr{i}"]),
+            helper.make_node("Mul", [f"yr{i}", f"C{i}"], [f"Y{i}"]),
+        ]
+    a = helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])
+    outs = [helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, ["M", n])
+            for i in range(copies)]
+    g = helper.make_graph([node for i in range(copies) for node in chain(i)], "row_int8", [a],
+                          outs, initializer=inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m.SerializeToString()
+
+
 def session(model: bytes, threads: int, profile: str | None = None) -> ort.InferenceSession:
     so = ort.SessionOptions()  # as runtime/ort/sessions.py's session_options(threads=2)
     so.enable_mem_pattern = False
@@ -138,8 +177,11 @@ def bench_shape(name, k, n, bits, args) -> list[dict]:
     calls = 3 if n > 10000 else args.calls
     cases = [Case(("fp32", None, None, None), session(fp32_model(w, copies), args.threads), k, n,
                   copies)]
-    for level in LEVELS:
-        for block in BLOCKS:
+    if args.row_int8:
+        cases.append(Case(("int8-row", None, None, None),
+                          session(row_int8_model(w, copies), args.threads), k, n, copies))
+    for level in (args.levels if args.levels is not None else LEVELS):
+        for block in (args.blocks if args.blocks is not None else BLOCKS):
             for zp in ZP:
                 model = nbits_model(w, copies, bits=bits, block=block, level=level, zp=zp)
                 cases.append(Case((f"int{bits}", level, block, zp),
@@ -312,6 +354,12 @@ def main(argv=None) -> int:
     ap.add_argument("--copies", type=int, default=8, help="ops per graph (small shapes)")
     ap.add_argument("--shapes", default="", help="comma-separated shape names (default: all)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--row-int8", action="store_true",
+                    help="also time int8 weights with per-row int8 activations (MatMulInteger)")
+    ap.add_argument("--levels", type=lambda t: [int(x) for x in t.split(",")],
+                    help="accuracy levels (default: 0,1,4)")
+    ap.add_argument("--blocks", type=lambda t: [int(x) for x in t.split(",")],
+                    help="block sizes (default: 32,64,128)")
     ap.add_argument("--json", help="write the results here too")
     ap.add_argument("--models", nargs="*", default=[],
                     help="model directories: the verify-cost curve through the runtime, "

@@ -240,12 +240,19 @@ class BatchCosts:
                  draft: CostSurface | None = None, packs_tokens: bool = True) -> None:
         self.surface, self._rows, self.draft = surface, rows, draft
         self.packs_tokens = packs_tokens
+        # (rows, n_max) -> costs: the surface never changes, and a row asks at every step
+        self._memo: dict[tuple[int, int], np.ndarray] = {}
 
     def costs(self, n_max: int) -> np.ndarray:  # [n_max]: a row's share of the call, n = k + 1
         b = self._rows()
-        n = np.arange(1, n_max + 1)
-        tokens = b * (n - 1) + 1 if self.packs_tokens else n
-        return np.array([self.surface.cost(b, int(t)) for t in tokens]) / b
+        got = self._memo.get((b, n_max))
+        if got is None:
+            n = np.arange(1, n_max + 1)
+            tokens = b * (n - 1) + 1 if self.packs_tokens else n
+            got = np.array([self.surface.cost(b, int(t)) for t in tokens]) / b
+            got.flags.writeable = False
+            self._memo[b, n_max] = got
+        return got
 
     def observe(self, n_tokens: int, seconds: float) -> None:
         """Ignored (see the class docstring)."""

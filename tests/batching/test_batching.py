@@ -295,6 +295,13 @@ def test_cost_surface_interpolates_and_prices_a_row_by_the_batch():
     # c(4, k + 1) / 4 where every row runs at the widest block anyway
     packed = BatchCosts(surface, lambda: 4).costs(3)
     assert packed == pytest.approx([1.6 / 4, surface.cost(4, 5) / 4, surface.cost(4, 9) / 4])
+    # asked at every step, the costs are kept per (rows, n) and follow the rows decoding now
+    following = BatchCosts(surface, lambda: rows[0])
+    at4 = following.costs(3)
+    rows[0] = 1
+    assert following.costs(3) == pytest.approx(BatchCosts(surface, lambda: 1).costs(3))
+    rows[0] = 4
+    assert following.costs(3) is at4 and at4 == pytest.approx(packed)
     padded = BatchCosts(surface, lambda: 4, packs_tokens=False).costs(3)
     assert padded == pytest.approx([surface.cost(4, n) / 4 for n in (1, 2, 3)])
     solo_view = AdaptiveDraftLength(CostCurve(surface.curve(4, 8).seconds))
