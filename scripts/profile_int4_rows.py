@@ -94,15 +94,19 @@ def nbits_model(w: np.ndarray, copies: int, *, bits: int, block: int, level: int
 
 def row_int8_model(w: np.ndarray, copies: int) -> bytes:
     """The candidate of `--row-int8`: int8 weights with a scale per output column (symmetric),
-    activations quantized to int8 per row (symmetric, scale max|a| / 127), `MatMulInteger`
-    (MLAS's integer GEMM, int32 sums) and the two scales applied after. Every row's result is
+    activations quantized per row (scale max|a| / 127, stored as uint8 around a zero point of
+    128), `MatMulInteger` (MLAS's u8s8 integer GEMM, int32 sums) and the two scales applied
+    after. Every row's result is
     that row's alone, whatever the other rows hold (integer sums are exact), so a call of any
     row count computes what a lone row does."""
     n, k = w.shape
     col = np.maximum(np.abs(w).max(axis=1), 1e-12) / 127.0  # [N]
     wq = np.clip(np.round(w / col[:, None]), -127, 127).astype(np.int8)  # [N, K]
     inits = [numpy_helper.from_array(np.array(1e-12, np.float32), "eps"),
-             numpy_helper.from_array(np.array(127.0, np.float32), "q")]
+             numpy_helper.from_array(np.array(127.0, np.float32), "q"),
+             # uint8 activations around a zero point of 128: MLAS's u8s8 integer GEMM
+             numpy_helper.from_array(np.array(128.0, np.float32), "off"),
+             numpy_helper.from_array(np.array(128, np.uint8), "azp")]
     for i in range(copies):
         inits.append(numpy_helper.from_array(np.ascontiguousarray(wq.T), f"B{i}"))
         inits.append(numpy_helper.from_array(col.astype(np.float32), f"C{i}"))
@@ -115,8 +119,9 @@ def row_int8_model(w: np.ndarray, copies: int) -> bytes:
             helper.make_node("Div", [f"amaxe{i}", "q"], [f"s{i}"]),  # [M, 1]
             helper.make_node("Div", ["A", f"s{i}"], [f"as{i}"]),
             helper.make_node("Round", [f"as{i}"], [f"ar{i}"]),
-            helper.make_node("Cast", [f"ar{i}"], [f"aq{i}"], to=TensorProto.INT8),
-            helper.make_node("MatMulInteger", [f"aq{i}", f"B{i}"], [f"y32{i}"]),
+            helper.make_node("Add", [f"ar{i}", "off"], [f"ao{i}"]),
+            helper.make_node("Cast", [f"ao{i}"], [f"aq{i}"], to=TensorProto.UINT8),
+            helper.make_node("MatMulInteger", [f"aq{i}", f"B{i}", "azp"], [f"y32{i}"]),
             helper.make_node("Cast", [f"y32{i}"], [f"yf{i}"], to=TensorProto.FLOAT),
             helper.make_node("Mul", [f"yf{i}", f"s{i}"], [f"yr{i}"]),
             helper.make_node("Mul", [f"yr{i}", f"C{i}"], [f"Y{i}"]),

@@ -289,11 +289,12 @@ def _check_block(block: DraftBlock, k_max: int, vocab: int) -> None:
         raise DrafterError(f"a drafter must return a DraftBlock, got {type(block).__name__}")
     if len(block) > k_max:
         raise DrafterError(f"the drafter returned {len(block)} tokens; at most {k_max} were allowed")
-    for i, t in enumerate(block.tokens):
-        if not 0 <= t < vocab:
-            raise DrafterError(f"drafted token {i} is {t}; token ids must be in 0..{vocab - 1}")
+    if block.tokens and not (min(block.tokens) >= 0 and max(block.tokens) < vocab):
+        i, t = next((i, t) for i, t in enumerate(block.tokens) if not 0 <= t < vocab)
+        raise DrafterError(f"drafted token {i} is {t}; token ids must be in 0..{vocab - 1}")
     for i, d in enumerate(block.dists):
-        if int(d.token_ids.max()) >= vocab:
+        # a point mass's one id is its token (DraftBlock checks it), checked just above
+        if d.token_ids.size > 1 and int(d.token_ids.max()) >= vocab:
             raise DrafterError(
                 f"draft distribution {i} has token id {int(d.token_ids.max())} >= vocab {vocab}"
             )

@@ -12,6 +12,7 @@ sample from the same distribution by construction.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
@@ -117,6 +118,7 @@ def sample_from(probs: np.ndarray, rng: np.random.Generator) -> int:  # probs: [
     return i
 
 
+POINT_CACHE = 1 << 16  # point masses kept (DraftDist.point)
 _ONE = np.ones(1)
 _ONE.setflags(write=False)
 
@@ -166,7 +168,7 @@ class DraftDist:
         token = int(token)
         if token < 0:
             raise InvalidDistributionError(f"DraftDist token_ids must be >= 0, got {token}")
-        return cls._trusted(np.array([token], dtype=np.int64), _ONE)
+        return _point(token) if cls is DraftDist else cls._trusted(_point(token).token_ids, _ONE)
 
     @classmethod
     def _trusted(cls, ids: np.ndarray, probs: np.ndarray) -> "DraftDist":
@@ -217,6 +219,15 @@ class DraftDist:
         q = np.zeros(vocab_size)
         q[self.token_ids] = self.probs
         return q
+
+
+@functools.lru_cache(maxsize=POINT_CACHE)
+def _point(token: int) -> DraftDist:
+    """The point mass on `token` (>= 0), made once: drafters propose the same tokens again and
+    again, and a DraftDist is immutable (its arrays read-only)."""
+    ids = np.array([token], dtype=np.int64)
+    ids.setflags(write=False)
+    return DraftDist._trusted(ids, _ONE)
 
 
 @dataclasses.dataclass(frozen=True)
