@@ -2,7 +2,6 @@
 marginals at temperature, greedy identity, the head rolled back to the accepted prefix, and the
 q each drafted position reports."""
 
-import numpy as np
 import pytest
 
 from helpers.decode import GREEDY, SAMPLING_CASES, SMALL, cost_policy, exact_marginals, \
