@@ -168,7 +168,7 @@ class DraftDist:
         token = int(token)
         if token < 0:
             raise InvalidDistributionError(f"DraftDist token_ids must be >= 0, got {token}")
-        return _point(token) if cls is DraftDist else cls._trusted(_point(token).token_ids, _ONE)
+        return _point(token)
 
     @classmethod
     def _trusted(cls, ids: np.ndarray, probs: np.ndarray) -> "DraftDist":

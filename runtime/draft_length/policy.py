@@ -240,8 +240,10 @@ class BatchCosts:
                  draft: CostSurface | None = None, packs_tokens: bool = True) -> None:
         self.surface, self._rows, self.draft = surface, rows, draft
         self.packs_tokens = packs_tokens
-        # (rows, n_max) -> costs: the surface never changes, and a row asks at every step
+        # (rows, n_max) -> costs, and rows -> the draft's d(B, 1) / B: the surfaces never
+        # change, and a row asks at every step
         self._memo: dict[tuple[int, int], np.ndarray] = {}
+        self._draft_memo: dict[int, float] = {}
 
     def costs(self, n_max: int) -> np.ndarray:  # [n_max]: a row's share of the call, n = k + 1
         b = self._rows()
@@ -262,8 +264,13 @@ class BatchCosts:
         steps too (`draft`, its surface of one-token calls) runs one call d(B, 1) for the B
         rows (at 4 rows the int4 draft of SmolLM2-135M takes 0.72x the fp32 target's call
         there, against 0.45x alone); a draft of each row's own costs its step, `solo`."""
+        if self.draft is None:
+            return solo
         b = self._rows()
-        return solo if self.draft is None else self.draft.cost(b, 1) / b
+        got = self._draft_memo.get(b)
+        if got is None:
+            got = self._draft_memo[b] = self.draft.cost(b, 1) / b
+        return got
 
 
 class AdaptiveDraftLength:
