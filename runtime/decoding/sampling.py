@@ -163,12 +163,7 @@ class DraftDist:
     @classmethod
     def point(cls, token: int) -> "DraftDist":
         """The point mass a model-free drafter (prompt lookup) proposes."""
-        if not is_int(token):
-            raise InvalidDistributionError(f"a token id must be an integer, got {token!r}")
-        token = int(token)
-        if token < 0:
-            raise InvalidDistributionError(f"DraftDist token_ids must be >= 0, got {token}")
-        return _point(token)
+        return _point(_checked_token(token))
 
     @classmethod
     def _trusted(cls, ids: np.ndarray, probs: np.ndarray) -> "DraftDist":
@@ -221,6 +216,15 @@ class DraftDist:
         return q
 
 
+def _checked_token(token: object) -> int:
+    """`token` as an int if it is an integer >= 0, else InvalidDistributionError."""
+    if not is_int(token):
+        raise InvalidDistributionError(f"a token id must be an integer, got {token!r}")
+    if int(token) < 0:  # type: ignore[call-overload]
+        raise InvalidDistributionError(f"DraftDist token_ids must be >= 0, got {token}")
+    return int(token)  # type: ignore[call-overload]
+
+
 @functools.lru_cache(maxsize=POINT_CACHE)
 def _point(token: int) -> DraftDist:
     """The point mass on `token` (>= 0), made once: drafters propose the same tokens again and
@@ -266,21 +270,41 @@ class DraftBlock:
 
     @classmethod
     def empty(cls) -> "DraftBlock":
-        return cls((), ())
+        """The block of no drafts (one object: blocks are immutable)."""
+        return _EMPTY_BLOCK
 
     @classmethod
     def points(cls, tokens: Sequence[int], *, source: str = "", match_len: int = 0,
                prior: float | None = None) -> "DraftBlock":
-        return cls(tuple(tokens), tuple(DraftDist.point(t) for t in tokens), source, match_len, prior)
+        """Point masses on `tokens` (each checked by `DraftDist.point`), as a model-free drafter
+        proposes them."""
+        tokens = tuple(t if type(t) is int and t >= 0 else _checked_token(t) for t in tokens)
+        return cls._trusted(tokens, tuple(_point(t) for t in tokens), source, match_len, prior)
+
+    @classmethod
+    def _trusted(cls, tokens: tuple[int, ...], dists: tuple[DraftDist, ...], source: str,
+                 match_len: int, prior: float | None) -> "DraftBlock":
+        """Skip `__post_init__` for a block valid by construction (point masses on its own
+        tokens, or a prefix of a checked block): the decode loop makes one or two a step."""
+        block = object.__new__(cls)
+        for name, value in (("tokens", tokens), ("dists", dists), ("source", source),
+                            ("match_len", match_len), ("prior", prior)):
+            object.__setattr__(block, name, value)
+        return block
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def truncated(self, n: int) -> "DraftBlock":
+        """The first `n` drafts (all of them when n >= len), with this block's source, match
+        length and prior."""
         if n >= len(self.tokens):
             return self
-        return dataclasses.replace(self, tokens=self.tokens[:n], dists=self.dists[:n])
+        return DraftBlock._trusted(self.tokens[:n], self.dists[:n], self.source, self.match_len,
+                                   self.prior)
 
+
+_EMPTY_BLOCK = DraftBlock((), ())
 
 # -- the rule -----------------------------------------------------------------------------------
 

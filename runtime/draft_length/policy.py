@@ -173,6 +173,8 @@ class CostCorrection:
         self._observed = 0.0  # decayed sum of observed excess ratios (weights 1 each)
         self._weight = 0.0  # decayed count of timed blocks
         self._lock = threading.Lock()  # one correction serves every request of a model
+        # n_max -> (c(1), c(n) / c(1) - 1 for n = 1..n_max); setdefault keeps it thread-safe
+        self._relative: dict[int, tuple[float, np.ndarray]] = {}
 
     @property
     def factor(self) -> float:
@@ -200,8 +202,12 @@ class CostCorrection:
         self._weight = self._weight * self.DECAY + 1.0
 
     def costs(self, n_max: int) -> np.ndarray:  # [n_max]: c'(1) .. c'(n_max)
-        raw = np.array([self.curve.cost(n) for n in range(1, n_max + 1)])
-        return raw[0] * (1.0 + self.factor * (raw / raw[0] - 1.0))
+        rel = self._relative.get(n_max)
+        if rel is None:  # the curve is immutable: its relative costs are made once per length
+            raw = np.array([self.curve.cost(n) for n in range(1, n_max + 1)])
+            rel = self._relative.setdefault(n_max, (float(raw[0]), raw / raw[0] - 1.0))
+        step, excess = rel
+        return step * (1.0 + self.factor * excess)
 
     def cost(self, n: int) -> float:
         return float(self.costs(n)[-1])
@@ -324,7 +330,19 @@ class AdaptiveDraftLength:
         return self.correction.draft_step(self._solo_step(key))
 
     def _best(self, a: np.ndarray, per_draft: float) -> int:
-        return int(np.argmax(self._rates(a, per_draft)))
+        """argmax of `_rates` (the first of equals), in plain floats: a block has at most a few
+        dozen drafts, and at that size each NumPy call costs more than the arithmetic, on a path
+        every row of a batch runs once a step."""
+        costs = self.correction.costs(a.size + 1).tolist()
+        best_k, best = 0, 1.0 / costs[0]
+        run, tokens = 1.0, 0.0  # prod a_1..a_k; sum of those products (as `expected_tokens`)
+        for k, (a_k, c_k) in enumerate(zip(a.tolist(), costs[1:]), 1):
+            run *= a_k
+            tokens += run
+            rate = (1.0 + tokens) / (c_k + per_draft * k)
+            if rate > best:
+                best_k, best = k, rate
+        return best_k
 
     def _rates(self, a: np.ndarray, per_draft: float) -> np.ndarray:  # [K + 1]: tokens / second
         e = expected_tokens(a)  # the row's tokens, k = 0..K

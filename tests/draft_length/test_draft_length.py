@@ -29,6 +29,17 @@ def test_the_best_k_maximises_tokens_per_second_by_hand():
     assert policy._best(np.full(8, 0.9), 0.3) < 8
 
 
+
+def test_the_best_k_is_the_first_argmax_of_the_rates_for_any_acceptance_and_draft_cost():
+    # _best is written in plain floats for speed; _rates is the vectorised definition
+    rng = np.random.default_rng(7)
+    policy = AdaptiveDraftLength(CPU_LIKE)
+    for _ in range(300):
+        k = int(rng.integers(1, 17))
+        a = rng.uniform(0, 1, k) ** float(rng.choice([0.2, 1.0, 4.0]))
+        per_draft = float(rng.choice([0.0, 0.05, 0.3]))
+        assert policy._best(a, per_draft) == int(np.argmax(policy._rates(a, per_draft)))
+
 def test_acceptance_is_learned_per_match_length_and_recovers_after_a_plain_step():
     model = AcceptanceModel()
     long_match = DraftBlock.points([5, 6, 7, 8], source="prompt_lookup", match_len=3)

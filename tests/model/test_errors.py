@@ -304,6 +304,23 @@ def test_draft_dist_constructors_validate_too():
         DraftDist.point(7).dense(5)
 
 
+
+@pytest.mark.parametrize("bad, match", [(-3, r">= 0, got -3"), (2.0, "must be an integer"),
+                                        (True, "must be an integer"), ("7", "must be an integer")])
+def test_a_block_of_point_masses_checks_every_token(bad, match):
+    with pytest.raises(InvalidDistributionError, match=match):
+        DraftBlock.points([4, bad, 5], source="prompt_lookup")
+
+
+def test_a_truncated_block_keeps_its_key_and_its_own_point_masses():
+    block = DraftBlock.points([4, np.int64(9), 5], source="prompt_lookup", match_len=2, prior=0.45)
+    assert block.tokens == (4, 9, 5) and all(type(t) is int for t in block.tokens)
+    cut = block.truncated(2)
+    assert (cut.tokens, cut.source, cut.match_len, cut.prior) == ((4, 9), "prompt_lookup", 2, 0.45)
+    assert [d.token_ids.tolist() for d in cut.dists] == [[4], [9]]
+    assert len(block.truncated(0)) == 0 and block.truncated(3) is block
+    assert DraftBlock.empty() == DraftBlock((), ()) and len(DraftBlock.empty()) == 0
+
 def test_a_draft_block_that_contradicts_itself():
     with pytest.raises(DrafterError, match="2 tokens but 1 distributions"):
         DraftBlock((1, 2), (DraftDist.point(1),))
