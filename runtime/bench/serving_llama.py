@@ -6,7 +6,8 @@
 
 Systems, each a server on 127.0.0.1, all started first and then measured in turn:
 - `ortspec plain` and `ortspec <drafter>`: `ortspec serve` on the model directory (default:
-  the default model's batched export, `--attention window`), drafter none and `--drafter`
+  the default model's batched export, `ortspec export --attention window`, which must exist:
+  the plain export runs one request per call), drafter none and `--drafter`
   (default prompt-lookup; auto is the server's own choice);
 - `llama Q4_0` (and `llama Q4_0 ngram` where the build has n-gram speculation): llama-server
   on the GGUF requantized to Q4_0, llama.cpp's fast CPU format;
@@ -161,6 +162,23 @@ def gguf_of(model_dir: Path) -> Path:
     return found
 
 
+def served_model(model: str | None) -> Path:
+    """The model directory ortspec serves: `--model`, else the default model's batched export
+    (`ortspec export --attention window`), which must exist: `ortspec serve` would fall back
+    to the plain export, which runs one request per call, and the comparison under load would
+    measure that instead (OrtspecError naming the command that makes it)."""
+    if model:
+        return Path(model)
+    from ..paths import default_model_path
+
+    batched = default_model_path(batched=True)
+    if not (batched / "manifest.json").is_file():
+        raise OrtspecError(
+            f"no --model given and the default model's batched export is not there ({batched}); "
+            f"make it with `ortspec export --attention window`, or pass --model DIR")
+    return batched
+
+
 def _log_name(system: str) -> str:
     return system.replace(" ", "-") + ".log"
 
@@ -173,8 +191,6 @@ def _write(out: Path, results: dict, batches: dict[tuple[str, int], list[dict]])
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ortspec.runtime.cli.args import model_arg
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-cpp", help="llama.cpp's build (default: $ORTSPEC_LLAMA_CPP)")
     ap.add_argument("--model", help="ortspec's model directory (default: the default model's "
@@ -195,7 +211,11 @@ def main(argv: list[str] | None = None) -> int:
                                   "every round) and the servers' logs")
     args = ap.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    model_dir = model_arg(args.model, prefer_batched=args.model is None)
+    model_dir = served_model(args.model)
+    max_batch = mf.read_manifest(model_dir, verify_checksums=False).max_batch
+    print(f"ortspec serves {model_dir} ("
+          + (f"batched: up to {max_batch} requests share a call" if max_batch > 1
+             else "one request per call: its graph does not batch") + ")", file=sys.stderr)
     prompts = heldout_prompts(args.prompts)
     systems, skipped = _systems(args, model_dir)
     for reason in skipped:
@@ -213,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                 "summary": {f"{n}/{c}": summarise(batches[n, c]) for n in names for c in levels},
                 "stability": stability(batches, names, levels),
                 "settings": {k: v for k, v in vars(args).items()}, "model": str(model_dir),
+                "model_max_batch": max_batch,
                 "commands": {s.name: s.command for s in systems},
                 "machine": provenance.machine(), "versions": provenance.versions(VERSIONS),
                 "started": started, "seconds": time.time() - started}

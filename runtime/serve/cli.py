@@ -109,9 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     if model.runner is not None:
         logging.info("%s: up to %d requests share each model call", path, model.slots.max_slots)
-    else:
-        logging.info("%s: one request per model call (`ortspec export --attention window` "
-                     "makes a graph that batches them)", path)
+    else:  # a warning: concurrent requests then share the cores call by call, unbatched
+        logging.warning("%s: one request per model call, each request in calls of its own "
+                        "(`ortspec export --attention window` makes a graph that batches them, "
+                        "which `ortspec serve` takes by default)", path)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.log_level, lifespan="on"))
     # uvicorn shuts down gracefully on SIGTERM, then raises the signal again under the handler

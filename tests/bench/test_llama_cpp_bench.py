@@ -273,3 +273,24 @@ def test_scale_refuses_unknown_shapes_and_says_when_llama_cpp_is_missing(monkeyp
     assert "llama.cpp not given: pass --llama-cpp DIR" in capsys.readouterr().err
     assert scale.main(["--shapes", "7b"]) == 2
     assert "--shapes takes" in capsys.readouterr().err
+
+
+def test_the_serving_comparison_refuses_to_run_a_default_model_that_does_not_batch(tmp_path,
+                                                                                   monkeypatch):
+    # without --model, `ortspec serve` would fall back to the plain export (one request per
+    # call) and the comparison under load would measure that: it names the export to make
+    from ortspec.runtime.bench.serving_llama import served_model
+    from ortspec.runtime.errors import OrtspecError
+    from ortspec.runtime.paths import default_model_path
+
+    monkeypatch.setenv("ORTSPEC_MODELS_DIR", str(tmp_path / "models"))
+    plain = default_model_path()
+    plain.mkdir(parents=True)
+    (plain / "manifest.json").write_text("{}")
+    with pytest.raises(OrtspecError, match=r"ortspec export --attention window"):
+        served_model(None)
+    batched = default_model_path(batched=True)
+    batched.mkdir(parents=True)
+    (batched / "manifest.json").write_text("{}")
+    assert served_model(None) == batched
+    assert served_model(str(plain)) == plain
