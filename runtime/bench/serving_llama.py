@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import tempfile
 import time
@@ -88,6 +89,24 @@ def stability(batches: dict[tuple[str, int], list[dict]], systems: list[str],
     return out
 
 
+def paired(batches: dict[tuple[str, int], list[dict]], systems: list[str],
+           levels: list[int]) -> dict[str, dict[int, float]]:
+    """Per system after the first and level: the geometric mean over rounds of its tok/s over
+    the first system's in the same round (the two batches ran one after the other, on the same
+    prompts): a machine whose speed drifts between rounds moves both alike, where the ratio of
+    the medians mixes rounds."""
+    base = systems[0]
+    out: dict[str, dict[int, float]] = {}
+    for s in systems[1:]:
+        out[s] = {}
+        for c in levels:
+            ratios = [(b["tokens"] / b["wall_s"]) / (a["tokens"] / a["wall_s"])
+                      for a, b in zip(batches[base, c], batches[s, c])]
+            if ratios:
+                out[s][c] = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    return out
+
+
 def table(results: dict) -> str:
     """The markdown table of a run's `results` (as `main` writes them)."""
     levels = results["levels"]
@@ -108,9 +127,17 @@ def table(results: dict) -> str:
     def tok_s(s: str, c: int) -> float:
         return results["summary"][f"{s}/{c}"]["tok_s_median"]
 
-    ratios = [f"{s}: " + ", ".join(f"c={c} {tok_s(s, c) / tok_s(base, c):.2f}x" for c in levels)
-              for s in results["systems"][1:]]
-    return "\n".join(lines) + f"\n\nAgainst {base}: " + "; ".join(ratios) + "\n"
+    pairs = results.get("paired", {})
+
+    def ratio(s: str, c: int) -> str:
+        text = f"c={c} {tok_s(s, c) / tok_s(base, c):.2f}x"
+        if str(c) in pairs.get(s, {}):  # (JSON keys are strings)
+            text += f" (paired {pairs[s][str(c)]:.2f}x)"
+        return text
+
+    ratios = [f"{s}: " + ", ".join(ratio(s, c) for c in levels) for s in results["systems"][1:]]
+    return ("\n".join(lines) + f"\n\nAgainst {base} (ratio of the medians; paired: the geometric "
+            f"mean of each round's ratio): " + "; ".join(ratios) + "\n")
 
 
 def _systems(args, model_dir: Path) -> tuple[list[System], list[str]]:
@@ -232,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
                 "rounds_done": rounds_done,
                 "summary": {f"{n}/{c}": summarise(batches[n, c]) for n in names for c in levels},
                 "stability": stability(batches, names, levels),
+                "paired": {n: {str(c): r for c, r in by.items()}
+                           for n, by in paired(batches, names, levels).items()},
                 "settings": {k: v for k, v in vars(args).items()}, "model": str(model_dir),
                 "model_max_batch": max_batch,
                 "commands": {s.name: s.command for s in systems},

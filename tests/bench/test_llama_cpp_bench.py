@@ -123,7 +123,27 @@ def test_the_table_has_a_row_per_system_and_ratios_to_the_first():
     text = table(results)
     assert "| ours | 5.0 | 0.10 / 0.10 | 1/1 |" in text
     assert "| peer | 10.0 | 0.10 / 0.20 | 2/2 |" in text
-    assert "Against ours: peer: c=1 2.00x" in text
+    assert "peer: c=1 2.00x" in text and "paired" not in text.split("Against")[1].split(":", 1)[1]
+
+
+def test_paired_ratios_are_the_geometric_mean_of_each_rounds_ratio():
+    from ortspec.runtime.bench.serving_llama import paired
+    from ortspec.runtime.bench.serving_report import summarise
+
+    def timed(tokens: int, wall: float) -> dict:
+        return {**_batch({0: "a"}), "tokens": tokens, "wall_s": wall}
+
+    # the machine twice as fast in round 2: peer is 1.5x ours in round 1 and 0.5x in round 2
+    batches = {("ours", 1): [timed(10, 1.0), timed(40, 1.0)],
+               ("peer", 1): [timed(15, 1.0), timed(20, 1.0)]}
+    got = paired(batches, ["ours", "peer"], [1])
+    assert got["peer"][1] == pytest.approx((1.5 * 0.5) ** 0.5)
+    results = {"levels": [1], "systems": ["ours", "peer"],
+               "summary": {f"{s}/1": summarise(batches[s, 1]) for s in ("ours", "peer")},
+               "stability": stability(batches, ["ours", "peer"], [1]),
+               "paired": {"peer": {"1": got["peer"][1]}}}
+    assert f"c=1 {17.5 / 25.0:.2f}x (paired {(0.75) ** 0.5:.2f}x)" in table(results)
+
 
 
 TINY_EXPORT = None  # the hand-written graph directory: a manifest to point at GGUF files
