@@ -205,7 +205,9 @@ class CostCorrection:
         rel = self._relative.get(n_max)
         if rel is None:  # the curve is immutable: its relative costs are made once per length
             raw = np.array([self.curve.cost(n) for n in range(1, n_max + 1)])
-            rel = self._relative.setdefault(n_max, (float(raw[0]), raw / raw[0] - 1.0))
+            excess = raw / raw[0] - 1.0
+            excess.setflags(write=False)
+            rel = self._relative.setdefault(n_max, (float(raw[0]), excess))
         step, excess = rel
         return step * (1.0 + self.factor * excess)
 
