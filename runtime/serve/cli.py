@@ -1,6 +1,6 @@
 """`ortspec serve`: the OpenAI-compatible server on one loaded model.
 
-    ortspec serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--max-concurrent 4]
+    ortspec serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--max-concurrent N]
                   [--max-queue 64] [--drafter prompt-lookup|none|...] [--threads N]
                   [--ray --replicas N [--ray-address ADDR]]
 
@@ -28,6 +28,7 @@ from ..paths import DEFAULT_MODEL_NAME, default_model_path
 from ..batching.prefix_cache import DEFAULT_PREFIX_CACHE_MIB, prefix_cache_bytes
 from ..validation import check_int
 from .app import create_app
+from .engine import BATCHED_MAX_CONCURRENT, DEFAULT_MAX_CONCURRENT, default_max_concurrent
 
 DEFAULT_MAX_QUEUE = 64
 BUSY_TIMEOUT_SECONDS = 60.0  # a slot is always free for an admitted request; this only bounds a bug
@@ -40,10 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", help="draft model directory (default: the one the manifest lists)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-concurrent", type=int, default=4,
+    p.add_argument("--max-concurrent", type=int, default=None,
                    help="requests decoding at once (each holds a KV slot); a model exported "
                         "with --attention window runs them in shared calls, up to its "
-                        "max_batch (16)")
+                        f"max_batch (16). Default: {BATCHED_MAX_CONCURRENT} on such a model "
+                        f"(at most its max_batch), else {DEFAULT_MAX_CONCURRENT}")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help="requests waiting for a slot; beyond that the answer is 503")
     p.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES,
@@ -71,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check(args: argparse.Namespace) -> None:
     check_int("--port", args.port, minimum=0, maximum=65535)
-    check_int("--max-concurrent", args.max_concurrent, minimum=1)
+    if args.max_concurrent is not None:
+        check_int("--max-concurrent", args.max_concurrent, minimum=1)
     check_int("--max-queue", args.max_queue, minimum=0)
     prefix_cache_bytes(args.prefix_cache_mib, name="--prefix-cache-mib")
     if args.threads is not None:
@@ -91,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _check(args)
     path = model_arg(args.model, prefer_batched=True)
+    if args.max_concurrent is None:
+        args.max_concurrent = default_max_concurrent(path)
     needs_draft = args.drafter in NEEDS_DRAFT_MODEL
     if args.ray:
         return _serve_on_ray(args, path, needs_draft)

@@ -20,16 +20,35 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import os
 import threading
 import time
 from typing import AsyncIterator, Callable
 
 from ..decoding.counters import DecodeCounters
-from ..model import Model
+from ..model import DEFAULT_MAX_CONCURRENT, Model
+from ..ort import manifest as mf
 from ..decoding.text import Detokenizer
 from .metrics import ServerMetrics
 from .protocol import GenerationRequest, finish_reason
 from .stops import StopMatcher, tokens_through
+
+# requests a batching model decodes at once by default: its calls carry them together, and on
+# the default model's window export a token cost 3.35 ms of batched calls at 8 rows against
+# 6.03 ms at 4 (the model's cost surface, a 2-core AVX-512 VNNI CPU); 8 KV slots of the
+# default model take about 0.9 GiB
+BATCHED_MAX_CONCURRENT = 8
+
+
+def default_max_concurrent(path: str | os.PathLike) -> int:
+    """--max-concurrent when it is not given: BATCHED_MAX_CONCURRENT (at most the graph's
+    max_batch) for a model whose graph batches requests, else DEFAULT_MAX_CONCURRENT. A
+    manifest that cannot be read gives the latter (loading the model then says why)."""
+    try:
+        max_batch = mf.read_manifest(path, verify_checksums=False).max_batch
+    except mf.ManifestError:
+        return DEFAULT_MAX_CONCURRENT
+    return min(BATCHED_MAX_CONCURRENT, max_batch) if max_batch > 1 else DEFAULT_MAX_CONCURRENT
 
 
 class QueueFull(Exception):

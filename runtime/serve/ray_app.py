@@ -26,6 +26,7 @@ from ray import serve
 from ..errors import InvalidOptionError
 from ..batching.prefix_cache import DEFAULT_PREFIX_CACHE_MIB
 from .app import create_app
+from .engine import default_max_concurrent
 
 APP_NAME = "ortspec"
 
@@ -56,11 +57,14 @@ class OrtspecServer:
 def application(model_dir: str | os.PathLike, *, replicas: int, model_name: str | None = None,
                 drafter: str = "auto", threads: int | None = None,
                 providers: list[str] | None = None, draft: str | bool | None = None,
-                max_concurrent: int = 4, max_queue: int = 64,
+                max_concurrent: int | None = None, max_queue: int = 64,
                 prefix_cache_mib: float = DEFAULT_PREFIX_CACHE_MIB) -> Any:
     """The Ray Serve application: `replicas` copies of `OrtspecServer`, each reserving
-    `threads` CPUs (1 when onnxruntime picks its own thread count)."""
+    `threads` CPUs (1 when onnxruntime picks its own thread count); `max_concurrent` None:
+    `default_max_concurrent` of the model, as `ortspec serve` picks it."""
     path = str(Path(model_dir).resolve())  # replicas do not run in this directory
+    if max_concurrent is None:
+        max_concurrent = default_max_concurrent(path)
     deployment = serve.deployment(
         OrtspecServer, name="OrtspecServer", num_replicas=replicas,
         ray_actor_options={"num_cpus": threads or 1},
@@ -98,7 +102,7 @@ def build(args: dict[str, Any]) -> Any:
                        model_name=a.get("served_model_name"),
                        drafter=a.get("drafter", "auto"), threads=a.get("threads"),
                        providers=providers, draft=a.get("draft"),
-                       max_concurrent=a.get("max_concurrent", 4),
+                       max_concurrent=a.get("max_concurrent"),
                        max_queue=a.get("max_queue", 64),
                        prefix_cache_mib=a.get("prefix_cache_mib", DEFAULT_PREFIX_CACHE_MIB))
 

@@ -103,11 +103,17 @@ def test_quoted_constant_matches_the_code(name, pattern, value):
 
 def test_serve_defaults_match_the_docs():
     serve_cli = pytest.importorskip("ortspec.runtime.serve.cli", reason="the serve extra")
+    from ortspec.runtime.serve.engine import BATCHED_MAX_CONCURRENT
+
     args = serve_cli.build_parser().parse_args([])
     for name in ("README.md", "docs/serve.md"):
-        assert _numbers(name, r"\[--max-concurrent (\d+)\]") == [str(args.max_concurrent)]
+        assert _numbers(name, r"\[--max-(concurrent) N\]") == ["concurrent"]  # from the model
         assert _numbers(name, r"\[--max-queue (\d+)\]") == [str(args.max_queue)]
-    assert args.max_concurrent == DEFAULT_MAX_CONCURRENT
+    assert args.max_concurrent is None  # serve.engine.default_max_concurrent of the model
+    assert _numbers("docs/serve.md", r"\| `--max-concurrent` \| (\d+) on a batching model") \
+        == [str(BATCHED_MAX_CONCURRENT)]
+    assert _numbers("docs/serve.md", r"at most its `max_batch`\), else (\d+) \|") \
+        == [str(DEFAULT_MAX_CONCURRENT)]
     assert args.prefix_cache_mib == prefix_cache.DEFAULT_PREFIX_CACHE_MIB
 
 

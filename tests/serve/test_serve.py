@@ -183,6 +183,24 @@ def test_ray_options_are_checked_before_anything_loads():
     assert type(app).__name__ == "Application"
 
 
+
+def test_a_batching_model_is_served_eight_at_a_time_by_default_and_any_other_four(tmp_path):
+    import json as json_mod
+
+    from helpers.export import write_graph_dir
+    from ortspec.runtime.serve.cli import build_parser
+    from ortspec.runtime.serve.engine import BATCHED_MAX_CONCURRENT, default_max_concurrent
+
+    assert build_parser().parse_args([]).max_concurrent is None  # resolved from the model
+    d = write_graph_dir(tmp_path / "m")
+    manifest = d / "manifest.json"
+    data = json_mod.loads(manifest.read_text())
+    assert default_max_concurrent(d) == 4  # one request per call: each a slot of its own
+    for max_batch, want in ((16, BATCHED_MAX_CONCURRENT), (2, 2)):
+        manifest.write_text(json_mod.dumps({**data, "max_batch": max_batch}))
+        assert default_max_concurrent(d) == want
+    assert default_max_concurrent(tmp_path / "missing") == 4  # loading it will say why
+
 # -- the server on the real model -----------------------------------------------------------------
 
 MAX_TOKENS = 16
