@@ -101,7 +101,8 @@ def paired(batches: dict[tuple[str, int], list[dict]], systems: list[str],
         out[s] = {}
         for c in levels:
             ratios = [(b["tokens"] / b["wall_s"]) / (a["tokens"] / a["wall_s"])
-                      for a, b in zip(batches[base, c], batches[s, c])]
+                      for a, b in zip(batches[base, c], batches[s, c])
+                      if a["tokens"] > 0 and b["tokens"] > 0]  # (a round with no text: skipped)
             if ratios:
                 out[s][c] = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
     return out

@@ -138,6 +138,8 @@ def test_paired_ratios_are_the_geometric_mean_of_each_rounds_ratio():
                ("peer", 1): [timed(15, 1.0), timed(20, 1.0)]}
     got = paired(batches, ["ours", "peer"], [1])
     assert got["peer"][1] == pytest.approx((1.5 * 0.5) ** 0.5)
+    empty = {k: v + [timed(0, 1.0)] for k, v in batches.items()}  # a round that wrote nothing
+    assert paired(empty, ["ours", "peer"], [1]) == got
     results = {"levels": [1], "systems": ["ours", "peer"],
                "summary": {f"{s}/1": summarise(batches[s, 1]) for s in ("ours", "peer")},
                "stability": stability(batches, ["ours", "peer"], [1]),
