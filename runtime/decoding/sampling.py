@@ -276,8 +276,8 @@ class DraftBlock:
     @classmethod
     def points(cls, tokens: Sequence[int], *, source: str = "", match_len: int = 0,
                prior: float | None = None) -> "DraftBlock":
-        """Point masses on `tokens` (each checked by `DraftDist.point`), as a model-free drafter
-        proposes them."""
+        """Point masses on `tokens` (each checked as `DraftDist.point` checks it; a plain int >= 0
+        needs no more), as a model-free drafter proposes them."""
         tokens = tuple(t if type(t) is int and t >= 0 else _checked_token(t) for t in tokens)
         return cls._trusted(tokens, tuple(_point(t) for t in tokens), source, match_len, prior)
 

@@ -332,10 +332,14 @@ class AdaptiveDraftLength:
         return self.correction.draft_step(self._solo_step(key))
 
     def _best(self, a: np.ndarray, per_draft: float) -> int:
-        """argmax of `_rates` (the first of equals), in plain floats: a block has at most a few
-        dozen drafts, and at that size each NumPy call costs more than the arithmetic, on a path
-        every row of a batch runs once a step."""
-        costs = self.correction.costs(a.size + 1).tolist()
+        return self._best_rate(a, per_draft)[0]
+
+    def _best_rate(self, a: np.ndarray, per_draft: float) -> tuple[int, float]:
+        """(k, tokens per second) of the best block: the first k = 0..K maximising
+        E(k) / (c'(k + 1) + k * per_draft), E as `expected_tokens`. In plain floats: a block has
+        at most a few dozen drafts, and at that size each NumPy call costs more than the
+        arithmetic, on a path every row of a batch runs once a step."""
+        costs = self.correction.costs(a.size + 1).tolist()  # c'(1) .. c'(K + 1)
         best_k, best = 0, 1.0 / costs[0]
         run, tokens = 1.0, 0.0  # prod a_1..a_k; sum of those products (as `expected_tokens`)
         for k, (a_k, c_k) in enumerate(zip(a.tolist(), costs[1:]), 1):
@@ -344,12 +348,7 @@ class AdaptiveDraftLength:
             rate = (1.0 + tokens) / (c_k + per_draft * k)
             if rate > best:
                 best_k, best = k, rate
-        return best_k
-
-    def _rates(self, a: np.ndarray, per_draft: float) -> np.ndarray:  # [K + 1]: tokens / second
-        e = expected_tokens(a)  # the row's tokens, k = 0..K
-        costs = self.correction.costs(a.size + 1) + per_draft * np.arange(a.size + 1)  # k = 0..K
-        return e / costs
+        return best_k, best
 
     def rate(self, k_max: int, *, key: tuple[str, int], prior: float | None, paid: bool) -> float:
         """The tokens per second expected of the best block of at most `k_max` drafts with
@@ -357,7 +356,7 @@ class AdaptiveDraftLength:
         step. What a composite drafter compares its drafters by, before either drafts."""
         self.acceptance.learn_prior(key, prior)
         a = self.acceptance.estimates(key, k_max)
-        return float(np.max(self._rates(a, self._draft_step(key) if paid else 0.0)))
+        return self._best_rate(a, self._draft_step(key) if paid else 0.0)[1]
 
     def limit(self, k_max: int, *, key: tuple[str, int], prior: float | None) -> int:
         """How many tokens a model drafter should draft (it pays `_solo_step(key)` each);

@@ -31,14 +31,18 @@ def test_the_best_k_maximises_tokens_per_second_by_hand():
 
 
 def test_the_best_k_is_the_first_argmax_of_the_rates_for_any_acceptance_and_draft_cost():
-    # _best is written in plain floats for speed; _rates is the vectorised definition
+    # the policy scans k in plain floats for speed; this is the vectorised definition
+    # E(k) / (c'(k + 1) + k * per_draft), whose first argmax and maximum it must give
     rng = np.random.default_rng(7)
     policy = AdaptiveDraftLength(CPU_LIKE)
     for _ in range(300):
         k = int(rng.integers(1, 17))
         a = rng.uniform(0, 1, k) ** float(rng.choice([0.2, 1.0, 4.0]))
         per_draft = float(rng.choice([0.0, 0.05, 0.3]))
-        assert policy._best(a, per_draft) == int(np.argmax(policy._rates(a, per_draft)))
+        rates = expected_tokens(a) / (policy.correction.costs(k + 1) + per_draft * np.arange(k + 1))
+        assert policy._best_rate(a, per_draft) == (int(np.argmax(rates)), float(np.max(rates)))
+        assert policy._best(a, per_draft) == int(np.argmax(rates))
+
 
 def test_acceptance_is_learned_per_match_length_and_recovers_after_a_plain_step():
     model = AcceptanceModel()
