@@ -41,7 +41,7 @@ from .eagle3 import Eagle3Head, Eagle3Target, check_fits
 from .eagle3_export import HEAD_DIR, add_draft_head, check_head_quant, export_head_into, \
     head_source, hf_target, read_head_for
 from .errors import ExportOptionError
-from .graph_spec import ATTENTIONS, DEFAULT_OPSET, LM_HEADS, MAX_OPSET, MIN_OPSET, \
+from .graph_spec import ATTENTIONS, DEFAULT_OPSET, KERNELS, LM_HEADS, MAX_OPSET, MIN_OPSET, \
     QUANT_SCHEMES, QUANTS, GraphOptions, WeightQuant, weight_quant
 from .graphs import build_decoder
 from .hidden_states import QUANT_TOLERANCES as HIDDEN_QUANT_TOLERANCES
@@ -63,8 +63,8 @@ STAGES = ("load", "build", "save", "validate", "checksums")
 # its tokens (the `token_rows` input); 6: quantized layers run on flat rows, the block-min
 # offsets added by one Gemm; 7: a quantized GQA graph pads a lone query's attention itself
 # (min_attention_rows) instead of the runtime padding the whole call, and only block-min layers
-# run on flat rows
-EXPORTER_REVISION = 7
+# run on flat rows; 8: block-min layers run on ortspec.Q4Gemm where it is built (kernel)
+EXPORTER_REVISION = 8
 # the providers each graph flavour is built for (see runtime/providers.py): ORT's CUDA GQA
 # kernel is fp16/bf16 only and TensorRT does not import GQA; standard ONNX ops run anywhere
 GRAPH_PROVIDERS = {("gqa", "fp32"): "CPUExecutionProvider",
@@ -101,6 +101,29 @@ def min_attention_rows(*, quant: str | None, attention: str) -> int:
     """Manifest.min_attention_rows of an export: 2 for a quantized GQA graph (the graph pads a
     lone query, GraphOptions.pad_lone_query); else 1."""
     return 2 if quant is not None and attention == "gqa" else 1
+
+
+def resolve_kernel(kernel: str | None, *, quant: str | None, quant_scheme: str) -> str:
+    """WeightQuant.kernel of an export: None picks "ortspec" for block-min int4 weights where
+    the library is built and runs on this CPU (runtime/ort/kernels.py), else "onnxruntime"."""
+    from ortspec.runtime.ort import kernels
+
+    if kernel is not None and kernel not in KERNELS:
+        raise ExportOptionError(f"kernel must be one of {', '.join(KERNELS)} or None, got "
+                                f"{kernel!r}")
+    fits = quant is not None and quant_scheme == "block-min"
+    if kernel == "ortspec":
+        if not fits:
+            raise ExportOptionError("kernel='ortspec' runs block-min int4 weights: it needs "
+                                    "quant='int4' and quant_scheme='block-min'")
+        if not kernels.available():
+            raise ExportOptionError(
+                "kernel='ortspec' needs ortspec's kernel library, built by pip install on an "
+                f"x86-64 CPU with AVX2 and FMA (here: library {kernels.library_path()!r}, "
+                f"kernel {kernels.ISA_NAMES[kernels.isa()]}); use kernel='onnxruntime'")
+    if kernel is None:
+        kernel = "ortspec" if fits and kernels.available() else "onnxruntime"
+    return kernel
 
 
 def check_options(*, capacity: int, max_verify_len: int, dtype: str, opset: int,
@@ -153,7 +176,7 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
                  overwrite: bool = False, draft_quant: str | None = None,
                  draft_layers: int | None = None, draft_only: bool = False,
                  quant: str | None = None, lm_head: str = "int8",
-                 quant_scheme: str = "block-min",
+                 quant_scheme: str = "block-min", kernel: str | None = None,
                  hidden_states: HiddenStatesOption = None,
                  draft_head: str | os.PathLike | None = None,
                  draft_head_quant: str | None = None, with_shipped_head: bool = True) -> Path:
@@ -171,6 +194,11 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
     -int4. A draft exported with it is quantized too. With quant, lm_head ("int8", "int4" or
     "fp32") is the LM head's precision (int8 also stores a tied embedding) and quant_scheme
     ("block-min", "zero-point", "symmetric"; quantize.py) the linear weights' 4-bit scheme.
+    kernel: what runs block-min int4 products, "ortspec" (the package's ortspec.Q4Gemm
+    onnxruntime custom op: the Q4_1 blocks as they are, an extra row of a call at 0.4-0.6x
+    MatMulNBits' cost) or "onnxruntime" (MatMulNBits and a Gemm for the block minima); None
+    picks "ortspec" where it is built and runs on this CPU (`resolve_kernel`). The manifest
+    records it; a runtime without the library cannot load an "ortspec" export.
 
     draft_quant ("int4") and/or draft_layers (N, 1 <= N <= the model's layers): also export a
     self-speculative draft of the same checkpoint into `out/drafts/<name>/` and list it in the
@@ -217,6 +245,7 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
     capacity, max_verify_len, opset = check_options(
         capacity=capacity, max_verify_len=max_verify_len, dtype=dtype, opset=opset,
         attention=attention, quant=quant, lm_head=lm_head, quant_scheme=quant_scheme)
+    kernel = resolve_kernel(kernel, quant=quant, quant_scheme=quant_scheme)
     check_head_quant(draft_head_quant)
     if draft_head_quant is not None and draft_head is None:
         raise ExportOptionError("draft_head_quant applies to a draft_head")
@@ -288,7 +317,7 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
                          head=None if head is None else (head, Path(draft_head),
                                                          draft_head_quant),
                          quant=None if quant is None else weight_quant(
-                             quant, lm_head=lm_head, scheme=quant_scheme))
+                             quant, lm_head=lm_head, scheme=quant_scheme, kernel=kernel))
         mf.read_manifest(tmp)  # the directory as the runtime will see it
         os.chmod(tmp, 0o755)  # mkdtemp made it private; the result is an ordinary directory
         _move_into_place(tmp, dest)

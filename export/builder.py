@@ -13,21 +13,22 @@ from onnx import TensorProto
 
 from ortspec.runtime.ort import graph_io as gio
 
-from .graph_spec import MS, NUMPY_DTYPES, DecoderSpec, GraphOptions
+from .graph_spec import MS, NUMPY_DTYPES, ORTSPEC_DOMAIN, DecoderSpec, GraphOptions
 from .onnx_writer import ExternalDataWriter, NodeList, alias
-from .quantize import quantize_blockwise
+from .quantize import Q4GEMM_TILE, quantize_blockwise, quantize_q4gemm
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
-    """A weight [N, K] written for MatMulNBits: its initializers, by name."""
+    """A weight [N, K] written for MatMulNBits or ortspec.Q4Gemm: its initializers, by name."""
 
     name: str
-    inputs: tuple[str, ...]  # B, scales[, zero_points]: MatMulNBits' inputs after A
-    offsets: str | None  # [n_blocks, N], the block-min scheme's offsets
+    inputs: tuple[str, ...]  # the op's inputs after A: B, scales[, zero_points] or q, d, m
+    offsets: str | None  # [n_blocks, N], the block-min scheme's offsets (MatMulNBits only)
     n: int
     k: int
     bits: int
+    op: str = "MatMulNBits"  # or "Q4Gemm"
 
 
 GetWeight = Callable[[str], "np.ndarray | None"]  # canonical name -> float32 array, or None
@@ -119,7 +120,15 @@ class GraphBuilder:
     def add_quantized(self, name: str, w: np.ndarray, *, bits: int, scheme: str) -> \
             "QuantizedWeight":
         """Quantize w [N, K] (K a multiple of the block) and write its initializers."""
-        block = self.options.quant.block_size
+        q = self.options.quant
+        block = q.block_size
+        if q.kernel == "ortspec" and (bits, scheme, block) == (4, "block-min", 32) \
+                and w.shape[0] % Q4GEMM_TILE == 0:
+            qw4 = quantize_q4gemm(w)
+            inputs = (self.add_raw(name + ".q4", qw4.packed), self.add_raw(name + ".d", qw4.d),
+                      self.add_raw(name + ".m", qw4.m))
+            return QuantizedWeight(name=name, inputs=inputs, offsets=None, n=w.shape[0],
+                                   k=w.shape[1], bits=bits, op="Q4Gemm")
         qw = quantize_blockwise(w, bits=bits, block_size=block, scheme=scheme)
         inputs = [self.add_raw(name + ".q", qw.packed),
                   self.add_tensor(name + ".scales", qw.scales.reshape(-1))]
@@ -131,8 +140,13 @@ class GraphBuilder:
                                k=w.shape[1], bits=bits)
 
     def matmul_nbits(self, x: str, w: "QuantizedWeight") -> str:
-        """x [rows, K] @ w.T through MatMulNBits, plus the block-min offsets' product."""
+        """x [rows, K] @ w.T through MatMulNBits, plus the block-min offsets' product (or
+        through ortspec.Q4Gemm, which holds the block minima itself)."""
         q = self.options.quant
+        if w.op == "Q4Gemm":
+            self.quantized.append(w.name)
+            return self.g.op1("Q4Gemm", [x, *w.inputs], domain=ORTSPEC_DOMAIN,
+                              name=w.name + "/q4gemm", K=w.k, N=w.n)
         y = self.g.op1("MatMulNBits", [x, *w.inputs], domain=MS, name=w.name + "/matmul_nbits",
                        K=w.k, N=w.n, bits=w.bits, block_size=q.block_size,
                        accuracy_level=q.accuracy_level)

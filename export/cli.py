@@ -13,7 +13,7 @@ from ortspec.runtime.cli.args import UserErrorParser
 from ortspec.runtime.errors import OrtspecError
 
 from .graph_spec import ATTENTIONS, DEFAULT_OPSET, DEFAULT_QUANT, HEAD_QUANTS, LM_HEADS, \
-    MAX_OPSET, MIN_OPSET, QUANT_SCHEMES, QUANTS
+    MAX_OPSET, MIN_OPSET, KERNELS, QUANT_SCHEMES, QUANTS
 from .hidden_states import parse_hidden_states
 
 PROG = "ortspec export"
@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant-scheme", choices=QUANT_SCHEMES, default="block-min",
                    help="with --quant: block-min (w = d*q + m per block of 32, Q4_1; the default), "
                         "zero-point (integer zero points, onnxruntime's quantizer) or symmetric")
+    p.add_argument("--kernel", choices=KERNELS, default=None,
+                   help="with --quant int4 and the block-min scheme: ortspec (the package's "
+                        "Q4_1 kernel, an onnxruntime custom op; an extra row of a verify or batch "
+                        "costs 0.4-0.6x onnxruntime's) or onnxruntime (MatMulNBits); default: "
+                        "ortspec where it is built and runs on this CPU (AVX2 and FMA)")
     p.add_argument("--attention", choices=ATTENTIONS, default="gqa",
                    help="gqa: onnxruntime's fused GroupQueryAttention (CPU; CUDA in fp16), the "
                         "default; standard: ONNX opset-24 ops only, for TensorRT")
@@ -111,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                            progress=not args.quiet, overwrite=args.overwrite,
                            draft_quant=args.draft_quant, draft_layers=args.draft_layers,
                            draft_only=args.draft_only, quant=args.quant, lm_head=args.lm_head,
-                           quant_scheme=args.quant_scheme,
+                           quant_scheme=args.quant_scheme, kernel=args.kernel,
                            hidden_states=None if args.hidden_states is None else
                            parse_hidden_states(args.hidden_states),
                            draft_head=args.draft_head, draft_head_quant=args.draft_head_quant,

@@ -125,6 +125,10 @@ class WeightQuant:
     accuracy_level: int = 4  # 0 (unset: float activations) .. 4 (int8 activations)
     lm_head_bits: int | None = 8  # None keeps the LM head float
     lm_head_scheme: str = "symmetric"
+    # what runs the 4-bit block-min products: "onnxruntime" (MatMulNBits, plus a Gemm for the
+    # block minima) or "ortspec" (ortspec.Q4Gemm, runtime/ort/_q4kernel.c: the Q4_1 blocks as
+    # they are, d and m in float16, int8 activations as at accuracy level 4)
+    kernel: str = "onnxruntime"
 
     @property
     def embed_shares_head(self) -> bool:
@@ -159,17 +163,20 @@ HEAD_QUANTS = {"int8": WeightQuant(bits=8, block_size=32, scheme="symmetric", ac
                                    lm_head_bits=8, lm_head_scheme="symmetric")}
 LM_HEADS = ("int8", "int4", "fp32")  # the LM head's (and a tied embedding's) precision
 QUANT_SCHEMES = ("block-min", "zero-point", "symmetric")  # quantize.SCHEMES, for 4-bit weights
+KERNELS = ("ortspec", "onnxruntime")  # WeightQuant.kernel
+ORTSPEC_DOMAIN = "ortspec"  # the custom ops' domain (runtime/ort/kernels.py)
 
 
-def weight_quant(quant: str, *, lm_head: str = "int8", scheme: str = "block-min") -> WeightQuant:
+def weight_quant(quant: str, *, lm_head: str = "int8", scheme: str = "block-min",
+                 kernel: str = "onnxruntime") -> WeightQuant:
     """The QUANTS preset with the LM head at `lm_head` ("int8": symmetric, shared with a tied
     embedding, a Q8_0 table exactly; "int4": the linear weights' scheme, embedding float;
-    "fp32": float head and embedding) and the linear weights in `scheme`. The caller has
-    checked the names."""
+    "fp32": float head and embedding), the linear weights in `scheme` and their block-min
+    products run by `kernel`. The caller has checked the names."""
     heads = {"int8": (8, "symmetric"), "int4": (4, scheme), "fp32": (None, "symmetric")}
     bits, head_scheme = heads[lm_head]
     return dataclasses.replace(QUANTS[quant], scheme=scheme, lm_head_bits=bits,
-                               lm_head_scheme=head_scheme)
+                               lm_head_scheme=head_scheme, kernel=kernel)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,7 +46,7 @@ from ortspec.runtime.ort import graph_io as gio
 
 from .attention import FLAVOURS, pack_tokens, to_grid
 from .builder import GetWeight, GraphBuilder
-from .graph_spec import MS, NUMPY_DTYPES, DecoderSpec, GraphOptions, check_opset
+from .graph_spec import MS, NUMPY_DTYPES, ORTSPEC_DOMAIN, DecoderSpec, GraphOptions, check_opset
 from .hidden_states import hidden_states_output
 from .onnx_writer import ExternalDataWriter, NodeList
 
@@ -204,7 +204,9 @@ def _make_model(spec: DecoderSpec, options: GraphOptions, g: NodeList,
     model = helper.make_model(
         graph,
         opset_imports=[helper.make_opsetid("", options.opset)]
-        + ([helper.make_opsetid(MS, 1)] if options.attention != "standard" else []),
+        + ([helper.make_opsetid(MS, 1)] if options.attention != "standard" else [])
+        + ([helper.make_opsetid(ORTSPEC_DOMAIN, 1)]
+           if options.quant is not None and options.quant.kernel == "ortspec" else []),
         producer_name="ortspec.export",
     )
     model.ir_version = min(model.ir_version, 10)  # onnxruntime 1.20+ reads IR 10

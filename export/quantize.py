@@ -165,3 +165,50 @@ def _unpack(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
     out[..., 0::2] = packed & 0x0F
     out[..., 1::2] = packed >> 4
     return out[..., :count]
+
+
+Q4GEMM_TILE = 16  # outputs a tile of ortspec.Q4Gemm's packed weight
+
+
+@dataclasses.dataclass(frozen=True)
+class Q4GemmWeight:
+    """A weight [N, K] as Q4_1 blocks of 32 in ortspec.Q4Gemm's layout (runtime/ort/_q4kernel.c):
+    w[n, k] = d * q + m per block, d and m float16 (a GGUF's own Q4_1 fields)."""
+
+    packed: np.ndarray  # uint8 [N / 16, K / 32, 4, 64]
+    d: np.ndarray  # float16 [N / 16, K / 32, 16]
+    m: np.ndarray  # float16 [N / 16, K / 32, 16]
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [N, K]: the weight the op multiplies by."""
+        tiles, blocks = self.packed.shape[:2]
+        rows = self.packed.reshape(tiles, blocks, 4, 16, 4)  # tile, block, j, output, u
+        q = np.concatenate([rows & 0x0F, rows >> 4], axis=2)  # groups 0-3 low, 4-7 high
+        q = q.transpose(0, 3, 1, 2, 4).reshape(tiles * 16, blocks, 32).astype(np.float32)
+        d = self.d.transpose(0, 2, 1).reshape(tiles * 16, blocks, 1).astype(np.float32)
+        m = self.m.transpose(0, 2, 1).reshape(tiles * 16, blocks, 1).astype(np.float32)
+        return (q * d + m).reshape(tiles * 16, blocks * 32)
+
+
+def quantize_q4gemm(w: np.ndarray) -> Q4GemmWeight:
+    """w [N, K] (N a multiple of 16, K of 32) as Q4_1 blocks: per block d = (max - min) / 15 and
+    m = min, both rounded to float16, q = round((w - m) / d). A Q4_1 GGUF's weights come back
+    as its own q, d and m (the block's min is m at q = 0 and its max d * 15 + m)."""
+    w = np.asarray(w, np.float32)
+    n, k = w.shape
+    if n % Q4GEMM_TILE or k % 32:
+        raise ValueError(f"expected a [N, K] weight with N a multiple of {Q4GEMM_TILE} and K "
+                         f"of 32, got shape {w.shape}")
+    blocks = w.reshape(n, k // 32, 32)
+    m = blocks.min(-1).astype(np.float16)
+    d = ((blocks.max(-1) - blocks.min(-1)) / 15).astype(np.float16)
+    d32, m32 = d.astype(np.float32), m.astype(np.float32)
+    q = np.round((blocks - m32[..., None]) / _nonzero(d32)[..., None])
+    q = np.clip(q, 0, 15).astype(np.uint8)  # [N, n_blocks, 32]
+    tiles = q.reshape(n // 16, 16, k // 32, 8, 4).transpose(0, 2, 3, 1, 4)  # tile, block, g, out, u
+    packed = (tiles[:, :, :4] | (tiles[:, :, 4:] << 4)).reshape(n // 16, k // 32, 4, 64)
+
+    def by_tile(a: np.ndarray) -> np.ndarray:  # [N, n_blocks] -> [N / 16, n_blocks, 16]
+        return np.ascontiguousarray(a.reshape(n // 16, 16, k // 32).transpose(0, 2, 1))
+
+    return Q4GemmWeight(packed=np.ascontiguousarray(packed), d=by_tile(d), m=by_tile(m))

@@ -19,7 +19,7 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as _ort_errors
 
-from . import manifest as mf
+from . import kernels, manifest as mf
 from .graph_io import LOGIT_ROWS, past_key_name, past_value_name, present_key_name, present_value_name
 from ..errors import InvalidOptionError, ManifestError
 from .providers import TENSORRT, choose_providers, default_kv_mode, kv_device
@@ -201,6 +201,7 @@ def open_session(path: str, so: ort.SessionOptions, providers: list) -> ort.Infe
 
 def _new_session(path: str, so: ort.SessionOptions, providers: list) -> ort.InferenceSession:
     global _global_pools_seen
+    kernels.register(so)  # a graph may hold ortspec.Q4Gemm
     if not _global_pools_seen:
         try:
             return ort.InferenceSession(path, so, providers=providers)

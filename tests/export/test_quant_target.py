@@ -20,7 +20,7 @@ from ortspec.export import cli as export_cli
 from ortspec.export.quantize import quantize_blockwise
 from ortspec.runtime import (SpeculativeOptions, load_model, plain_decode,
                              speculative_decode_with)
-from ortspec.runtime.ort import manifest as mf
+from ortspec.runtime.ort import kernels, manifest as mf
 from ortspec.runtime.draft_length.calibration import CostCurve
 from ortspec.runtime.check.checks import run_checks
 from ortspec.runtime.drafters.prompt_lookup import PromptLookupSpeculator
@@ -40,12 +40,20 @@ def sources(tmp_path_factory):
     return {"llama": make_tiny_llama(root / "llama"), "qwen2": make_tiny_qwen2(root / "qwen2")}
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+# each family with one of the kernels of the block-min layers (the default picks "ortspec"
+# where the package's library is built, as it is on every machine the suite runs on)
+@pytest.fixture(scope="module", params=[("llama", None), ("qwen2", "onnxruntime")],
+                ids=["llama-default-kernel", "qwen2-onnxruntime-kernel"])
 def int4_dir(request, sources, tmp_path_factory):
-    out = tmp_path_factory.mktemp("out") / f"{request.param}-int4"
-    export_model(sources[request.param], out=out, capacity=CAP, max_verify_len=VERIFY,
-                 progress=False, quant="int4")
+    family, kernel = request.param
+    out = tmp_path_factory.mktemp("out") / f"{family}-int4"
+    export_model(sources[family], out=out, capacity=CAP, max_verify_len=VERIFY,
+                 progress=False, quant="int4", kernel=kernel)
     return out
+
+
+def _kernel(directory) -> str:
+    return mf.read_manifest(directory).extra["weights"]["kernel"]
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -100,7 +108,14 @@ def test_int4_export_records_its_weights_and_validates_rows_exactly(int4_dir):
     assert (w["format"], w["bits"], w["block_size"], w["scheme"], w["lm_head_bits"]) == \
         ("MatMulNBits", 4, 32, "block-min", 8)
     assert w["float_linear"] == []
-    assert _op_count(int4_dir, "MatMulNBits") == 4 * m.architecture.num_layers + 1  # + the head
+    layers = 4 * m.architecture.num_layers
+    q4 = _op_count(int4_dir, "Q4Gemm")
+    assert _op_count(int4_dir, "MatMulNBits") + q4 == layers + 1  # + the 8-bit head
+    # ortspec.Q4Gemm takes every block-min layer whose width is a multiple of its tile of 16
+    assert (q4 > 0) == (_kernel(int4_dir) == "ortspec")
+    default = "ortspec" if kernels.available() else "onnxruntime"
+    assert w["kernel"] == {"llama": default, "qwen2": "onnxruntime"}[int4_dir.name.split("-")[0]]
+    assert _op_count(int4_dir, "Gemm") == layers - q4  # the block minima of MatMulNBits layers
     v = m.extra["validation"]
     assert v["step_vs_verify"] == 0.0 and v["bound_step_vs_verify"] == 0.0
     assert v["verify_vs_pytorch"] <= v["bound_vs_pytorch"]
@@ -141,11 +156,9 @@ def test_every_verify_row_equals_its_step_bitwise_and_unpadded_attention_would_n
 
 
 def _probe_session(path):
-    import onnxruntime as ort
+    from ortspec.runtime.ort.sessions import open_session, session_options
 
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 2
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return open_session(str(path), session_options(threads=2), ["CPUExecutionProvider"])
 
 
 def _with_probe_level(src, dst, level: int):
@@ -173,7 +186,12 @@ def test_the_row_probe_decides_whether_calls_run_two_rows(int4_dir, tmp_path):
     assert m.row_probe == "row_probe.onnx" and m.row_probe in m.files
     probe = onnx.load(str(int4_dir / m.row_probe)).graph
     kinds = {(n.op_type, dict((a.name, a.i) for a in n.attribute).get("bits")) for n in probe.node}
-    assert kinds == {("MatMulNBits", 4), ("MatMulNBits", 8), ("MatMul", None), ("Gemm", None)}
+    layer_kinds = {("MatMulNBits", 4), ("MatMul", None), ("Gemm", None)}  # of MatMulNBits layers
+    if _kernel(int4_dir) == "ortspec":
+        assert {("Q4Gemm", None), ("MatMulNBits", 8)} <= kinds <= \
+            {("Q4Gemm", None), ("MatMulNBits", 8)} | layer_kinds
+    else:
+        assert kinds == {("MatMulNBits", 8)} | layer_kinds
     exact = lone_rows_exact(_probe_session(int4_dir / m.row_probe))
     assert OrtDecoder(int4_dir).min_call_rows == (1 if exact else 2)
 
@@ -273,7 +291,9 @@ def test_head_and_scheme_choices_export_validated_and_exact(sources, tmp_path, l
     w = m.extra["weights"]
     assert w["scheme"] == scheme
     assert w["lm_head_bits"] == {"int8": 8, "int4": 4, "fp32": None}[lm_head]
-    assert _op_count(out, "MatMulNBits") == 4 * m.architecture.num_layers + (lm_head != "fp32")
+    assert _op_count(out, "MatMulNBits") + _op_count(out, "Q4Gemm") == \
+        4 * m.architecture.num_layers + (lm_head != "fp32")
+    assert (_op_count(out, "Q4Gemm") > 0) == (scheme == "block-min" and kernels.available())
     assert m.extra["validation"]["step_vs_verify"] == 0.0
 
 
@@ -286,6 +306,9 @@ def test_head_and_scheme_choices_export_validated_and_exact(sources, tmp_path, l
     (dict(quant="int4", quant_scheme="nf4"), "quant_scheme must be one of"),
     (dict(quant="int4", draft_quant="int4"), "draft_layers"),
     (dict(quant="int4", max_verify_len=1), "max_verify_len must be at least 2"),
+    (dict(quant="int4", kernel="mlas"), "kernel must be one of"),
+    (dict(kernel="ortspec"), "needs quant='int4' and quant_scheme='block-min'"),
+    (dict(quant="int4", quant_scheme="symmetric", kernel="ortspec"), "quant_scheme='block-min'"),
 ])
 def test_bad_quant_options_are_refused_before_anything_is_read(kwargs, needle, tmp_path):
     with pytest.raises(ExportOptionError, match=needle):

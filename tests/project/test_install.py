@@ -11,12 +11,15 @@ Slow (several minutes: installs, a download of the default model's wheel, an exp
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from ortspec.runtime.ort import kernels
 
 pytestmark = pytest.mark.slow
 
@@ -100,6 +103,9 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(wheel, user):
     out = _ok(_run([ortspec, "export"], cwd=work, env=env, timeout=1800), "ortspec export")
     cache = Path(env["XDG_CACHE_HOME"]) / "ortspec" / "models" / "exported" / "smollm2-135m-instruct-int4"
     assert (cache / "manifest.json").is_file(), out  # the per-user models directory, at int4
+    # pip built the kernel library into the wheel, and the export runs its layers on it
+    weights = json.loads((cache / "manifest.json").read_text())["extra"]["weights"]
+    assert weights["kernel"] == ("ortspec" if kernels.available() else "onnxruntime"), weights
     r = _ok(_run([ortspec, "generate", "--prompt", "Name three colours.", "--chat", "--max-new-tokens", "16"],
                  cwd=work, env=env), "ortspec generate")
     assert r.strip(), "generate printed no text"

@@ -1,0 +1,59 @@
+"""ortspec's own onnxruntime kernels: the `ortspec.Q4Gemm` custom op (runtime/ort/_q4kernel.c).
+
+pip builds the C file as an extension module of this package; onnxruntime loads it with
+`SessionOptions.register_custom_ops_library`, and `_new_session` (sessions.py) does that for
+every session the runtime opens, so a graph that holds the op loads like any other. The library
+is never imported. Where it was not built, or the CPU lacks AVX2 and FMA, `available()` is
+False and the exporter writes onnxruntime's MatMulNBits instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+
+import onnxruntime as ort
+
+DOMAIN = "ortspec"
+OP = "Q4Gemm"
+_MODULE = "ortspec.runtime.ort._q4kernel"
+_MARK = "ortspec.kernels.registered"  # a session config entry: the library is on these options
+ISA_NAMES = {0: "none", 1: "avx2", 2: "avx512-vnni"}
+
+
+@functools.lru_cache(maxsize=1)
+def library_path() -> str | None:
+    """The built library's file, or None where the install did not build it."""
+    spec = importlib.util.find_spec(_MODULE)
+    return spec.origin if spec is not None and spec.origin else None
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    path = library_path()
+    return None if path is None else ctypes.CDLL(path)
+
+
+def isa() -> int:
+    """Which kernel runs here: 2 AVX-512 VNNI, 1 AVX2, 0 none (or no library)."""
+    lib = _library()
+    return 0 if lib is None else int(lib.ortspec_q4_isa())
+
+
+def available() -> bool:
+    """Whether ortspec.Q4Gemm can run in this process."""
+    return isa() > 0
+
+
+def register(so: ort.SessionOptions) -> None:
+    """Put the library on `so` (once; a no-op where it is not available)."""
+    if not available():
+        return
+    try:
+        if so.get_session_config_entry(_MARK) == "1":
+            return
+    except Exception:  # noqa: BLE001 - onnxruntime raises for an entry never set
+        pass
+    so.register_custom_ops_library(library_path())
+    so.add_session_config_entry(_MARK, "1")

@@ -1,0 +1,153 @@
+"""ortspec.Q4Gemm (runtime/ort/_q4kernel.c), the package's kernel for Q4_1 weights: what it
+computes against a NumPy model of its arithmetic, every row of a call bit for bit the row called
+alone on both instruction sets, through onnxruntime at every input rank, and its packed layout's
+round trip (export/quantize.py)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from ortspec.export import ExportOptionError, export_model
+from ortspec.export.api import resolve_kernel
+from ortspec.export.quantize import quantize_q4gemm
+from ortspec.runtime.ort import kernels
+from ortspec.runtime.ort.sessions import open_session, session_options
+
+pytestmark = pytest.mark.skipif(not kernels.available(),
+                                reason="the kernel library is not built or this CPU lacks AVX2")
+
+ISAS = [i for i in (2, 1) if i <= kernels.isa()]  # AVX-512 VNNI where present, and AVX2
+
+
+@pytest.fixture(scope="module")
+def lib():
+    lib = ctypes.CDLL(kernels.library_path())
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.ortspec_q4_gemm.argtypes = [p, i64, i64, i64, p, p, p, p]
+    lib.ortspec_q4_force_isa.argtypes = [ctypes.c_int]
+    yield lib
+    lib.ortspec_q4_force_isa(-1)
+
+
+def _gemm(lib, x: np.ndarray, w) -> np.ndarray:
+    x = np.ascontiguousarray(x, np.float32)
+    rows, k = x.shape
+    n = w.packed.shape[0] * 16
+    y = np.full((rows, n), np.nan, np.float32)
+    assert lib.ortspec_q4_gemm(x.ctypes.data, rows, k, n, w.packed.ctypes.data, w.d.ctypes.data,
+                               w.m.ctypes.data, y.ctypes.data) == 0
+    return y
+
+
+def _q4_1_weight(rng, n: int, k: int) -> np.ndarray:
+    """w [n, k] as a Q4_1 GGUF holds it: d * q + m per block of 32, d and m float16, each
+    block's min at q = 0 and max at q = 15."""
+    q = rng.integers(0, 16, (n, k // 32, 32))
+    q[..., 0], q[..., 1] = 0, 15
+    d = (rng.random((n, k // 32)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
+    m = (rng.random((n, k // 32)) * -0.2).astype(np.float16).astype(np.float32)
+    return (d[..., None] * q + m[..., None]).reshape(n, k).astype(np.float32)
+
+
+def _activations(rng, rows: int, k: int) -> np.ndarray:
+    x = rng.standard_normal((rows, k)) * np.exp(rng.standard_normal((rows, 1)))
+    x[0, :32] = 0.0  # an all-zero block (scale 0)
+    return x.astype(np.float32)
+
+
+def _reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The op's arithmetic in float64: x rounded to int8 per row and block of 32 (scale
+    max|x| / 127, to nearest even), times the dequantized weight."""
+    rows, k = x.shape
+    blocks = x.reshape(rows, k // 32, 32)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.rint(blocks * inv)
+    assert np.abs(q).max() <= 127
+    xq = (q * (amax.astype(np.float64) / 127)).reshape(rows, k)
+    return xq @ w.T.astype(np.float64)
+
+
+def test_the_packed_layout_round_trips_a_q4_1_weight_exactly():
+    w = _q4_1_weight(np.random.default_rng(0), 64, 128)
+    qw = quantize_q4gemm(w)
+    assert (qw.packed.shape, qw.d.shape, qw.m.shape) == ((4, 4, 4, 64), (4, 4, 16), (4, 4, 16))
+    assert qw.d.dtype == qw.m.dtype == np.float16
+    np.testing.assert_array_equal(qw.dequantize(), w)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        quantize_q4gemm(w[:40])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("k", [32, 576, 1536])
+def test_the_product_is_the_int8_rounded_activations_times_the_weight(lib, isa, k):
+    """Against float64: the only error left is float32 accumulation over K / 32 blocks."""
+    rng = np.random.default_rng(k)
+    w = _q4_1_weight(rng, 48, k)
+    x = _activations(rng, 9, k)
+    lib.ortspec_q4_force_isa(isa)
+    y = _gemm(lib, x, quantize_q4gemm(w))
+    ref = _reference(x, w)
+    scale = np.abs(x).max(1, keepdims=True) * np.abs(w).sum(1)[None]  # bounds the sum of |terms|
+    assert np.all(np.abs(y - ref) <= 4 * (k // 32 + 2) * np.finfo(np.float32).eps * scale)
+    assert np.all(y[0] == y[0])  # the zero block gave no NaN
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_row_of_a_call_is_bitwise_the_row_called_alone(lib, isa):
+    """What lets a step and a verify row agree bit for bit (greedy identity): at every row
+    count, across the 8-row (AVX-512) and 4-row (AVX2) tiles, each row is the lone row's."""
+    rng = np.random.default_rng(1)
+    qw = quantize_q4gemm(_q4_1_weight(rng, 64, 576))
+    x = _activations(rng, 19, 576)
+    lib.ortspec_q4_force_isa(isa)
+    alone = np.stack([_gemm(lib, v[None], qw)[0] for v in x])
+    for rows in range(1, 20):
+        np.testing.assert_array_equal(_gemm(lib, x[:rows], qw), alone[:rows], err_msg=f"{rows}")
+
+
+def _session(qw, k: int, n: int, rank: int, path):
+    dims = ["B", "S", "T"][:rank - 1] + [k]
+    node = helper.make_node("Q4Gemm", ["x", "q", "d", "m"], ["y"], domain=kernels.DOMAIN, K=k, N=n)
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, dims[:-1] + [n])],
+        [numpy_helper.from_array(qw.packed, "q"), numpy_helper.from_array(qw.d, "d"),
+         numpy_helper.from_array(qw.m, "m")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid(kernels.DOMAIN, 1)])
+    model.ir_version = 10
+    path.write_bytes(model.SerializeToString())
+    return open_session(str(path), session_options(threads=2), ["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("rank", [2, 3, 4])
+def test_onnxruntime_runs_the_op_at_any_rank_on_its_thread_pool(lib, rank, tmp_path):
+    """Through a session (the rows split among onnxruntime's threads by output tiles): the
+    same numbers as the direct call, for inputs [.., K] of any rank, an empty one included."""
+    rng = np.random.default_rng(rank)
+    k, n = 576, 1024  # 64 tiles: several chunks a thread
+    w = _q4_1_weight(rng, n, k)
+    qw = quantize_q4gemm(w)
+    session = _session(qw, k, n, rank, tmp_path / "q4gemm.onnx")
+    lead = [2, 3, 2][:rank - 1]
+    x = _activations(rng, int(np.prod(lead)), k)
+    lib.ortspec_q4_force_isa(-1)
+    y = session.run(None, {"x": x.reshape(*lead, k)})[0]
+    assert y.shape == (*lead, n)
+    np.testing.assert_array_equal(y.reshape(-1, n), _gemm(lib, x, qw))
+    empty = session.run(None, {"x": np.zeros((*lead[:-1], 0, k), np.float32)})[0]
+    assert empty.shape == (*lead[:-1], 0, n)
+
+
+def test_without_the_library_an_export_falls_back_or_refuses(monkeypatch, tmp_path):
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    assert resolve_kernel(None, quant="int4", quant_scheme="block-min") == "onnxruntime"
+    with pytest.raises(ExportOptionError, match="needs ortspec's kernel library"):
+        export_model(tmp_path / "missing", out=tmp_path / "out", progress=False, quant="int4",
+                     kernel="ortspec")
+    assert not (tmp_path / "out").exists()
