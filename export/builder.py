@@ -147,6 +147,13 @@ class GraphBuilder:
             self.quantized.append(w.name)
             return self.g.op1("Q4Gemm", [x, *w.inputs], domain=ORTSPEC_DOMAIN,
                               name=w.name + "/q4gemm", K=w.k, N=w.n)
+        if q.kernel == "ortspec" and w.bits == 8 and len(w.inputs) == 2 and w.offsets is None \
+                and w.n % Q4GEMM_TILE == 0 and q.block_size == 32:
+            # symmetric 8-bit blocks (the LM head): MatMulNBits' own initializers, which a tied
+            # embedding's GatherBlockQuantized reads too; the op regroups them when loaded
+            self.quantized.append(w.name)
+            return self.g.op1("Q8Gemm", [x, *w.inputs], domain=ORTSPEC_DOMAIN,
+                              name=w.name + "/q8gemm", K=w.k, N=w.n)
         y = self.g.op1("MatMulNBits", [x, *w.inputs], domain=MS, name=w.name + "/matmul_nbits",
                        K=w.k, N=w.n, bits=w.bits, block_size=q.block_size,
                        accuracy_level=q.accuracy_level)

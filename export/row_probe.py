@@ -33,7 +33,7 @@ def _attrs(node: onnx.NodeProto) -> dict:
 
 def _kernel_configs(graph: onnx.GraphProto) -> list[tuple]:
     """The distinct row-wise kernel configurations: ("nbits", K, bits, block, level, zero
-    points), ("q4", K) (ortspec.Q4Gemm) and ("float", op, K)."""
+    points), ("Q4Gemm", K), ("Q8Gemm", K) (ortspec's ops) and ("float", op, K)."""
     dims = {t.name: list(t.dims) for t in graph.initializer}
     seen: list[tuple] = []
     for n in graph.node:
@@ -41,8 +41,8 @@ def _kernel_configs(graph: onnx.GraphProto) -> list[tuple]:
             a = _attrs(n)
             key = ("nbits", a["K"], a["bits"], a["block_size"], a.get("accuracy_level", 0),
                    len(n.input) > 3 and bool(n.input[3]))
-        elif n.op_type == "Q4Gemm" and n.domain == ORTSPEC_DOMAIN:
-            key = ("q4", _attrs(n)["K"])
+        elif n.op_type in ("Q4Gemm", "Q8Gemm") and n.domain == ORTSPEC_DOMAIN:
+            key = (n.op_type, _attrs(n)["K"])
         elif n.op_type in FLOAT_OPS and n.input[1] in dims and len(dims[n.input[1]]) == 2:
             k = dims[n.input[1]][1] if _attrs(n).get("transB") else dims[n.input[1]][0]
             key = ("float", n.op_type, k)
@@ -79,7 +79,16 @@ def write_row_probe(graph_path: Path, probe_path: Path, *, seed: int = 0) -> boo
             else:
                 nodes.append(helper.make_node("MatMul", [x, w], [f"y{i}"]))
             continue
-        if key[0] == "q4":
+        if key[0] == "Q8Gemm":  # MatMulNBits' 8-bit symmetric layout, bytes 1..255
+            blocks = k // 32
+            inits += [numpy_helper.from_array(rng.integers(1, 256, (PROBE_N, blocks, 32),
+                                                           dtype=np.uint8), f"q{i}"),
+                      numpy_helper.from_array((rng.random(PROBE_N * blocks) * 0.02 + 1e-3)
+                                              .astype(np.float32), f"s{i}")]
+            nodes.append(helper.make_node("Q8Gemm", [x, f"q{i}", f"s{i}"], [f"y{i}"],
+                                          domain=ORTSPEC_DOMAIN, K=k, N=PROBE_N))
+            continue
+        if key[0] == "Q4Gemm":
             blocks = k // 32
             inits += [numpy_helper.from_array(rng.integers(0, 256, (PROBE_N // 16, blocks, 4, 64),
                                                            dtype=np.uint8), f"q{i}"),
@@ -113,8 +122,8 @@ def write_row_probe(graph_path: Path, probe_path: Path, *, seed: int = 0) -> boo
              for i in range(len(configs))],
             inits),
         opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)]
-        + ([helper.make_opsetid(ORTSPEC_DOMAIN, 1)] if any(c[0] == "q4" for c in configs)
-           else []))
+        + ([helper.make_opsetid(ORTSPEC_DOMAIN, 1)]
+           if any(c[0] in ("Q4Gemm", "Q8Gemm") for c in configs) else []))
     model.ir_version = 10
     probe_path.write_bytes(model.SerializeToString())
     return True

@@ -20,7 +20,7 @@ from ortspec.export import cli as export_cli
 from ortspec.export.quantize import quantize_blockwise
 from ortspec.runtime import (SpeculativeOptions, load_model, plain_decode,
                              speculative_decode_with)
-from ortspec.runtime.ort import kernels, manifest as mf
+from ortspec.runtime.ort import kernels, manifest as mf, sessions
 from ortspec.runtime.draft_length.calibration import CostCurve
 from ortspec.runtime.check.checks import run_checks
 from ortspec.runtime.drafters.prompt_lookup import PromptLookupSpeculator
@@ -110,7 +110,8 @@ def test_int4_export_records_its_weights_and_validates_rows_exactly(int4_dir):
     assert w["float_linear"] == []
     layers = 4 * m.architecture.num_layers
     q4 = _op_count(int4_dir, "Q4Gemm")
-    assert _op_count(int4_dir, "MatMulNBits") + q4 == layers + 1  # + the 8-bit head
+    # + the 8-bit head (ortspec.Q8Gemm with the ortspec kernel)
+    assert _op_count(int4_dir, "MatMulNBits") + q4 + _op_count(int4_dir, "Q8Gemm") == layers + 1
     # ortspec.Q4Gemm takes every block-min layer whose width is a multiple of its tile of 16
     assert (q4 > 0) == (_kernel(int4_dir) == "ortspec")
     default = "ortspec" if kernels.available() else "onnxruntime"
@@ -176,7 +177,7 @@ def _with_probe_level(src, dst, level: int):
     return dst
 
 
-def test_the_row_probe_decides_whether_calls_run_two_rows(int4_dir, tmp_path):
+def test_the_row_probe_decides_whether_calls_run_two_rows(int4_dir, tmp_path, monkeypatch):
     """The export's row probe holds its graph's kernels (the 4-bit layers, the 8-bit head, the
     block-min offsets' float products); the decoder runs one-row calls where the probe finds
     them exact on this machine, and pads every call to two rows where it does not (here: the
@@ -187,17 +188,22 @@ def test_the_row_probe_decides_whether_calls_run_two_rows(int4_dir, tmp_path):
     probe = onnx.load(str(int4_dir / m.row_probe)).graph
     kinds = {(n.op_type, dict((a.name, a.i) for a in n.attribute).get("bits")) for n in probe.node}
     layer_kinds = {("MatMulNBits", 4), ("MatMul", None), ("Gemm", None)}  # of MatMulNBits layers
-    if _kernel(int4_dir) == "ortspec":
-        assert {("Q4Gemm", None), ("MatMulNBits", 8)} <= kinds <= \
-            {("Q4Gemm", None), ("MatMulNBits", 8)} | layer_kinds
+    ortspec = _kernel(int4_dir) == "ortspec"
+    if ortspec:  # ortspec's ops, and MatMulNBits only for a layer too narrow for a tile
+        assert {("Q4Gemm", None), ("Q8Gemm", None)} <= kinds <= \
+            {("Q4Gemm", None), ("Q8Gemm", None)} | layer_kinds
     else:
         assert kinds == {("MatMulNBits", 8)} | layer_kinds
     exact = lone_rows_exact(_probe_session(int4_dir / m.row_probe))
     assert OrtDecoder(int4_dir).min_call_rows == (1 if exact else 2)
-
-    level1 = _with_probe_level(int4_dir, tmp_path / "level1", 1)
-    assert not lone_rows_exact(_probe_session(level1 / "row_probe.onnx"))
-    dec = OrtDecoder(level1)
+    if ortspec:  # its rows are alike by construction; a probe found wanting is simulated
+        assert exact
+        monkeypatch.setattr(sessions, "_probe_verdict", lambda *args: False)
+        padded = int4_dir
+    else:
+        padded = _with_probe_level(int4_dir, tmp_path / "level1", 1)
+        assert not lone_rows_exact(_probe_session(padded / "row_probe.onnx"))
+    dec = OrtDecoder(padded)
     assert dec.min_call_rows == 2 and dec.capacity == CAP - 1
     prompt, cont = _ids(20, 6), _ids(VERIFY + 1, 7)
     res = row_differences(dec, prompt, cont, block_lengths=list(range(1, VERIFY + 1)))
@@ -291,7 +297,7 @@ def test_head_and_scheme_choices_export_validated_and_exact(sources, tmp_path, l
     w = m.extra["weights"]
     assert w["scheme"] == scheme
     assert w["lm_head_bits"] == {"int8": 8, "int4": 4, "fp32": None}[lm_head]
-    assert _op_count(out, "MatMulNBits") + _op_count(out, "Q4Gemm") == \
+    assert sum(_op_count(out, op) for op in ("MatMulNBits", "Q4Gemm", "Q8Gemm")) == \
         4 * m.architecture.num_layers + (lm_head != "fp32")
     assert (_op_count(out, "Q4Gemm") > 0) == (scheme == "block-min" and kernels.available())
     assert m.extra["validation"]["step_vs_verify"] == 0.0

@@ -151,3 +151,69 @@ def test_without_the_library_an_export_falls_back_or_refuses(monkeypatch, tmp_pa
         export_model(tmp_path / "missing", out=tmp_path / "out", progress=False, quant="int4",
                      kernel="ortspec")
     assert not (tmp_path / "out").exists()
+
+
+# ---- ortspec.Q8Gemm: the 8-bit head in MatMulNBits' own layout --------------------------------
+
+def _q8_weight(rng, n: int, k: int):
+    """MatMulNBits' symmetric 8-bit blocks: b [n, k / 32, 32] = q + 128 (q in -127..127), and
+    the weight they stand for."""
+    from ortspec.export.quantize import quantize_blockwise
+
+    qw = quantize_blockwise(rng.standard_normal((n, k)).astype(np.float32), bits=8,
+                            block_size=32, scheme="symmetric")
+    assert qw.packed.min() >= 1  # the layout the op accepts
+    return qw.packed, qw.scales.reshape(-1).astype(np.float32), qw.dequantize()
+
+
+def _q8(lib, x, b, scales) -> np.ndarray:
+    x = np.ascontiguousarray(x, np.float32)
+    n = b.shape[0]
+    y = np.full((x.shape[0], n), np.nan, np.float32)
+    assert lib.ortspec_q8_gemm(x.ctypes.data, x.shape[0], x.shape[1], n, b.ctypes.data,
+                               scales.ctypes.data, y.ctypes.data) == 0
+    return y
+
+
+@pytest.fixture(scope="module")
+def q8lib(lib):
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.ortspec_q8_gemm.argtypes = [p, i64, i64, i64, p, p, p]
+    return lib
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_q8_product_and_rows_alike_at_every_row_count(q8lib, isa):
+    rng = np.random.default_rng(2)
+    k = 576
+    b, scales, w = _q8_weight(rng, 80, k)
+    x = _activations(rng, 19, k)
+    q8lib.ortspec_q4_force_isa(isa)
+    y = _q8(q8lib, x, b, scales)
+    scale = np.abs(x).max(1, keepdims=True) * np.abs(w).sum(1)[None]
+    assert np.all(np.abs(y - _reference(x, w)) <= 4 * (k // 32 + 2) * np.finfo(np.float32).eps
+                  * scale)
+    alone = np.stack([_q8(q8lib, v[None], b, scales)[0] for v in x])
+    for rows in range(1, 20):
+        np.testing.assert_array_equal(_q8(q8lib, x[:rows], b, scales), alone[:rows],
+                                      err_msg=f"{rows}")
+
+
+def test_q8_through_onnxruntime_regroups_its_constant_weight(q8lib, tmp_path):
+    rng = np.random.default_rng(3)
+    k, n = 576, 512
+    b, scales, _ = _q8_weight(rng, n, k)
+    node = helper.make_node("Q8Gemm", ["x", "b", "s"], ["y"], domain=kernels.DOMAIN, K=k, N=n)
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
+        [numpy_helper.from_array(b, "b"), numpy_helper.from_array(scales, "s")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid(kernels.DOMAIN, 1)])
+    model.ir_version = 10
+    (tmp_path / "q8.onnx").write_bytes(model.SerializeToString())
+    session = open_session(str(tmp_path / "q8.onnx"), session_options(threads=2),
+                           ["CPUExecutionProvider"])
+    x = _activations(rng, 6, k)
+    q8lib.ortspec_q4_force_isa(-1)
+    np.testing.assert_array_equal(session.run(None, {"x": x})[0], _q8(q8lib, x, b, scales))

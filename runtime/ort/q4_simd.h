@@ -1,0 +1,285 @@
+/* The SIMD kernels of ortspec's custom ops (_q4kernel.c includes this file once).
+ *
+ * Activations: x [rows, k] float32 -> int8 per row and block of 32 (scale max|x| / 127,
+ * rounding to nearest even), with each block's scale sx, its integer sum ix and sx * ix (bx).
+ *
+ * Weights, in tiles of 16 outputs (TILE) by blocks of 32 inputs (QK):
+ * - Q4 (Q4_1, w = d * q + m, q in 0..15): 256 bytes a tile-block, 64-byte row j holding, at byte
+ *   4 * c + u, input 4 * j + u of output c in the low nibble and input 16 + 4 * j + u in the
+ *   high nibble; d and m float16 [tiles, blocks, 16].
+ * - Q8 (Q8_0 as MatMulNBits stores it, w = d * (u - 128), u in 0..255): 512 bytes a tile-block,
+ *   64-byte row g holding input 4 * g + u of output c at byte 4 * c + u; d float32.
+ *
+ * Each output element is accumulated block after block in the same order whatever the number of
+ * rows, so a row of a call of any size is the lone row bit for bit. */
+#include <immintrin.h>
+
+#define QK 32
+#define TILE 16
+
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+#define INLINE __attribute__((always_inline)) inline
+
+static AVX2 void quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *qx, float *sx,
+                               float *bx, int32_t *ix) {
+    int64_t nb = k / QK;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *v = x + r * k + b * QK;
+            __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+            __m256 v2 = _mm256_loadu_ps(v + 16), v3 = _mm256_loadu_ps(v + 24);
+            __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                     _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            float amax = _mm_cvtss_f32(h);
+            __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+            __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv));
+            __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
+            __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv));
+            __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+            __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+            /* int32 -> int8 in order: the packs interleave 128-bit lanes, the permute undoes it */
+            __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+            p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(qx + r * k + b * QK), p8);
+            int32_t total = _mm_cvtsi128_si32(s4);
+            sx[r * nb + b] = amax / 127.f;
+            bx[r * nb + b] = amax / 127.f * (float)total;
+            ix[r * nb + b] = total;
+        }
+}
+
+typedef struct {
+    int64_t rows, k, n;
+    const int8_t *qx;
+    const float *sx, *bx;
+    const int32_t *ix;
+} Activations;
+
+/* ---- Q4: R rows x one tile, all blocks ---------------------------------------------------- */
+
+static AVX512 INLINE void q4_tile512(int R, const Activations *a, int64_t r0, const uint8_t *q,
+                                     const uint16_t *d, const uint16_t *m, float *y) {
+    const int64_t nb = a->k / QK, k = a->k;
+    const int8_t *qx = a->qx + r0 * k;
+    const float *sx = a->sx + r0 * nb, *bx = a->bx + r0 * nb;
+    __m512 acc[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i w[8];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+            __m512i packed = _mm512_loadu_si512((const void *)(q + b * 256 + j * 64));
+            w[j] = _mm512_and_si512(packed, low);
+            w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+        }
+        __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + b * TILE)));
+        __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + b * TILE)));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const int32_t *xr = (const int32_t *)(qx + r * k + b * QK);
+            __m512i s = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int g = 0; g < 8; g++) s = _mm512_dpbusd_epi32(s, w[g], _mm512_set1_epi32(xr[g]));
+            __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(sx[r * nb + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
+            acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(bx[r * nb + b]), acc[r]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * a->n, acc[r]);
+}
+
+/* AVX2: two halves of 8 outputs; the u8 x s8 pairs are summed in int16 over the block's 8
+ * groups (at most 8 * 2 * 15 * 127 = 30480: nothing saturates), then widened once */
+static AVX2 INLINE void q4_tile256(int R, const Activations *a, int64_t r0, const uint8_t *q,
+                                   const uint16_t *d, const uint16_t *m, float *y) {
+    const int64_t nb = a->k / QK, k = a->k;
+    const int8_t *qx = a->qx + r0 * k;
+    const float *sx = a->sx + r0 * nb, *bx = a->bx + r0 * nb;
+    __m256 acc[2][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++) {
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            __m256i w[8];
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                __m256i packed = _mm256_loadu_si256((const __m256i *)(q + b * 256 + j * 64 + h * 32));
+                w[j] = _mm256_and_si256(packed, low);
+                w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+            }
+            __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b * TILE + h * 8)));
+            __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b * TILE + h * 8)));
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const int32_t *xr = (const int32_t *)(qx + r * k + b * QK);
+                __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xr[0]));
+#pragma GCC unroll 7
+                for (int g = 1; g < 8; g++)
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(xr[g])));
+                __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+                __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(sx[r * nb + b]));
+                acc[h][r] = _mm256_fmadd_ps(f, scale, acc[h][r]);
+                acc[h][r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(bx[r * nb + b]), acc[h][r]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(y + (r0 + r) * a->n, acc[0][r]);
+        _mm256_storeu_ps(y + (r0 + r) * a->n + 8, acc[1][r]);
+    }
+}
+
+/* ---- Q8: R rows x one tile, all blocks ---------------------------------------------------- */
+
+/* u8 weights times s8 activations, minus 128 times the activations' sum: exact integers */
+static AVX512 INLINE void q8_tile512(int R, const Activations *a, int64_t r0, const uint8_t *q,
+                                     const float *d, float *y) {
+    const int64_t nb = a->k / QK, k = a->k;
+    const int8_t *qx = a->qx + r0 * k;
+    const float *sx = a->sx + r0 * nb;
+    const int32_t *ix = a->ix + r0 * nb;
+    __m512 acc[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i w[8];
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512((const void *)(q + b * 512 + g * 64));
+        __m512 dv = _mm512_loadu_ps(d + b * TILE);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const int32_t *xr = (const int32_t *)(qx + r * k + b * QK);
+            __m512i s = _mm512_set1_epi32(-128 * ix[r * nb + b]);
+#pragma GCC unroll 8
+            for (int g = 0; g < 8; g++) s = _mm512_dpbusd_epi32(s, w[g], _mm512_set1_epi32(xr[g]));
+            __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(sx[r * nb + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * a->n, acc[r]);
+}
+
+/* AVX2: the weights as s8 (u - 128), multiplied by |x| after taking x's sign (vpsignb), so the
+ * u8 x s8 pair sums stay within 2 * 127 * 128 */
+static AVX2 INLINE void q8_tile256(int R, const Activations *a, int64_t r0, const uint8_t *q,
+                                   const float *d, float *y) {
+    const int64_t nb = a->k / QK, k = a->k;
+    const int8_t *qx = a->qx + r0 * k;
+    const float *sx = a->sx + r0 * nb;
+    __m256 acc[2][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++) {
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            __m256i w[8];
+#pragma GCC unroll 8
+            for (int g = 0; g < 8; g++)
+                w[g] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + b * 512 + g * 64 + h * 32)), flip);
+            __m256 dv = _mm256_loadu_ps(d + b * TILE + h * 8);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const int32_t *xr = (const int32_t *)(qx + r * k + b * QK);
+                __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 8
+                for (int g = 0; g < 8; g++) {
+                    __m256i xg = _mm256_set1_epi32(xr[g]);
+                    __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(xg), _mm256_sign_epi8(w[g], xg));
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+                }
+                __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(sx[r * nb + b]));
+                acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[h][r]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(y + (r0 + r) * a->n, acc[0][r]);
+        _mm256_storeu_ps(y + (r0 + r) * a->n + 8, acc[1][r]);
+    }
+}
+
+/* ---- every row of output tiles [t0, t1) --------------------------------------------------- */
+
+#define ROW_CASES(T, STEP, ...)                                                    \
+    for (int64_t r = 0; r < a->rows; r += STEP) {                                  \
+        int64_t left = a->rows - r;                                                \
+        switch (left >= STEP ? STEP : left) {                                      \
+            case 8: T(8, a, r, __VA_ARGS__); break;                                \
+            case 7: T(7, a, r, __VA_ARGS__); break;                                \
+            case 6: T(6, a, r, __VA_ARGS__); break;                                \
+            case 5: T(5, a, r, __VA_ARGS__); break;                                \
+            case 4: T(4, a, r, __VA_ARGS__); break;                                \
+            case 3: T(3, a, r, __VA_ARGS__); break;                                \
+            case 2: T(2, a, r, __VA_ARGS__); break;                                \
+            default: T(1, a, r, __VA_ARGS__); break;                               \
+        }                                                                          \
+    }
+
+static AVX512 void q4_tiles512(const Activations *a, const uint8_t *q, const uint16_t *d,
+                               const uint16_t *m, float *y, int64_t t0, int64_t t1) {
+    int64_t nb = a->k / QK;
+    for (int64_t t = t0; t < t1; t++)
+        ROW_CASES(q4_tile512, 8, q + t * nb * 256, d + t * nb * TILE, m + t * nb * TILE, y + t * TILE)
+}
+
+static AVX2 void q4_tiles256(const Activations *a, const uint8_t *q, const uint16_t *d,
+                             const uint16_t *m, float *y, int64_t t0, int64_t t1) {
+    int64_t nb = a->k / QK;
+    for (int64_t t = t0; t < t1; t++)
+        ROW_CASES(q4_tile256, 4, q + t * nb * 256, d + t * nb * TILE, m + t * nb * TILE, y + t * TILE)
+}
+
+static AVX512 void q8_tiles512(const Activations *a, const uint8_t *q, const float *d, float *y,
+                               int64_t t0, int64_t t1) {
+    int64_t nb = a->k / QK;
+    for (int64_t t = t0; t < t1; t++)
+        ROW_CASES(q8_tile512, 8, q + t * nb * 512, d + t * nb * TILE, y + t * TILE)
+}
+
+static AVX2 void q8_tiles256(const Activations *a, const uint8_t *q, const float *d, float *y,
+                             int64_t t0, int64_t t1) {
+    int64_t nb = a->k / QK;
+    for (int64_t t = t0; t < t1; t++)
+        ROW_CASES(q8_tile256, 4, q + t * nb * 512, d + t * nb * TILE, y + t * TILE)
+}
+
+/* MatMulNBits' 8-bit B [n, k / 32, 32] and scales [n * k / 32] -> the Q8 tiles */
+static void q8_repack(const uint8_t *b, const float *scales, int64_t n, int64_t k, uint8_t *q,
+                      float *d) {
+    int64_t nb = k / QK;
+    for (int64_t t = 0; t < n / TILE; t++)
+        for (int64_t blk = 0; blk < nb; blk++) {
+            uint8_t *dst = q + (t * nb + blk) * 512;
+            for (int g = 0; g < 8; g++)
+                for (int c = 0; c < TILE; c++)
+                    memcpy(dst + g * 64 + c * 4, b + ((t * TILE + c) * nb + blk) * QK + g * 4, 4);
+            for (int c = 0; c < TILE; c++)
+                d[(t * nb + blk) * TILE + c] = scales[(t * TILE + c) * nb + blk];
+        }
+}
+
+static int detect_isa(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512f"))
+        return 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+    return 0;
+}
