@@ -421,14 +421,16 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
         report = validate_export(tmp, manifest, ckpt)
     else:  # against PyTorch on the weights the graph multiplies by; rows exactly its steps
         report = validate_export(
-            tmp, manifest, ckpt, reference_weights=dequantized_weights(ckpt, ckpt.spec, options),
+            tmp, manifest, ckpt, reference_weights=dequantized_weights(ckpt, ckpt.spec, options,
+                                                  kernel_weights=files.kernel_weights),
             tolerances=dataclasses.replace(QUANT_TOLERANCES, step_vs_verify=Bound(0.0, 0.0)))
     hidden_report = None
     if manifest.hidden_state_layers is not None and quant is None:
         hidden_report = validate_hidden_states(tmp, manifest, ckpt)
     elif manifest.hidden_state_layers is not None:  # against the weights it multiplies by
         hidden_report = validate_hidden_states(
-            tmp, manifest, ckpt, reference_weights=dequantized_weights(ckpt, ckpt.spec, options),
+            tmp, manifest, ckpt, reference_weights=dequantized_weights(ckpt, ckpt.spec, options,
+                                                  kernel_weights=files.kernel_weights),
             tolerances=HIDDEN_QUANT_TOLERANCES)
     bar.update()
 

@@ -44,6 +44,9 @@ class GraphBuilder:
         self._get, self._writer = get_weight, writer
         self.wdt = NUMPY_DTYPES[options.dtype]
         self.quantized: list[str] = []
+        # checkpoint names whose weight a Q4Gemm multiplies by (quantize_q4gemm's float16 d and
+        # m): the validation's reference dequantizes them the same way
+        self.kernel_weights: list[str] = []
         self.float_linear: list[str] = []
         self._block_sums: dict[str, str] = {}  # input name -> its per-block sums
         self._head: QuantizedWeight | None = None  # the LM head, when the embedding shares it
@@ -73,7 +76,10 @@ class GraphBuilder:
         del arrs
         q = self.options.quant
         if q is not None and w.shape[1] % q.block_size == 0:
-            y = self.matmul_nbits(x, self.add_quantized(name, w, bits=q.bits, scheme=q.scheme))
+            qw = self.add_quantized(name, w, bits=q.bits, scheme=q.scheme)
+            if qw.op == "Q4Gemm":
+                self.kernel_weights += names
+            y = self.matmul_nbits(x, qw)
         else:
             if q is not None:
                 self.float_linear.append(name)
@@ -215,8 +221,10 @@ class GraphBuilder:
             logits = self.matmul_nbits(h, self._head)
         elif q is not None and self._head_quantizable():
             w = np.asarray(self._get("embed" if spec.tied_embeddings else "lm_head"), np.float32)
-            logits = self.matmul_nbits(h, self.add_quantized(
-                "lm_head", w, bits=q.lm_head_bits, scheme=q.lm_head_scheme))
+            head = self.add_quantized("lm_head", w, bits=q.lm_head_bits, scheme=q.lm_head_scheme)
+            if head.op == "Q4Gemm":
+                self.kernel_weights.append("lm_head")
+            logits = self.matmul_nbits(h, head)
         elif spec.tied_embeddings:
             # Gemm(A [N, hidden], embed [vocab, hidden], transB): the table is stored once; the
             # Gemm reads it under a second name (see onnx_writer.alias) so that ORT's packed

@@ -53,7 +53,7 @@ from ortspec.runtime.validation import check_int
 from .errors import ExportOptionError
 from .graph_spec import QUANTS, DecoderSpec, GraphOptions, WeightQuant
 from .graphs import build_decoder
-from .quantize import quantize_blockwise
+from .quantize import quantize_blockwise, quantize_q4gemm
 from .validate import check_logits, run_graph, validation_prompt
 
 DRAFTS_DIR = "drafts"
@@ -206,10 +206,12 @@ def build_draft(directory: Path, checkpoint, target: mf.Manifest, options: Draft
     return manifest
 
 
-def dequantized_weights(checkpoint, spec: DecoderSpec, options: GraphOptions) -> \
-        dict[str, np.ndarray]:
+def dequantized_weights(checkpoint, spec: DecoderSpec, options: GraphOptions, *,
+                        kernel_weights: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
     """Canonical name -> the weight a quantized graph computes with (what builder.py's
-    `matmul_nbits` quantized, dequantized again); empty for a float graph."""
+    `matmul_nbits` quantized, dequantized again); empty for a float graph. kernel_weights
+    (GraphFiles.kernel_weights): the names stored for ortspec.Q4Gemm, whose d and m are
+    float16."""
     q = options.quant
     if q is None:
         return {}
@@ -218,13 +220,16 @@ def dequantized_weights(checkpoint, spec: DecoderSpec, options: GraphOptions) ->
         for suffix in LINEAR:
             name = f"layers.{i}.{suffix}"
             w = checkpoint.weight(name)
-            if w.shape[1] % q.block_size == 0:  # rows quantize independently: fusion is moot
+            if name in kernel_weights:  # rows quantize independently: fusion is moot
+                out[name] = quantize_q4gemm(w).dequantize()
+            elif w.shape[1] % q.block_size == 0:
                 out[name] = quantize_blockwise(w, bits=q.bits, block_size=q.block_size,
                                                scheme=q.scheme).dequantize()
     if q.lm_head_bits is not None and spec.hidden_size % q.block_size == 0:
         head = checkpoint.weight("embed" if spec.tied_embeddings else "lm_head")
-        out["lm_head"] = quantize_blockwise(head, bits=q.lm_head_bits, block_size=q.block_size,
-                                            scheme=q.lm_head_scheme).dequantize()
+        out["lm_head"] = quantize_q4gemm(head).dequantize() if "lm_head" in kernel_weights \
+            else quantize_blockwise(head, bits=q.lm_head_bits, block_size=q.block_size,
+                                    scheme=q.lm_head_scheme).dequantize()
         if q.embed_shares_head and spec.tied_embeddings:
             out["embed"] = out["lm_head"]  # the Gather reads the head's table
     return out

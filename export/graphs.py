@@ -60,6 +60,7 @@ class GraphFiles:
     weight_bytes: int  # payload of the data file (without alignment padding)
     quantized: tuple[str, ...] = ()  # the weights stored as MatMulNBits (names as in the graph)
     float_linear: tuple[str, ...] = ()  # with `quant`, the ones left float (K % block_size)
+    kernel_weights: tuple[str, ...] = ()  # checkpoint names multiplied by ortspec.Q4Gemm
 
 
 
@@ -160,7 +161,8 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
     model = _make_model(spec, options, b.g, b.inits)
     graph_path.write_bytes(model.SerializeToString())
     return GraphFiles(graph=graph_path, data=data_path, weight_bytes=weight_bytes,
-                      quantized=tuple(b.quantized), float_linear=tuple(b.float_linear))
+                      quantized=tuple(b.quantized), float_linear=tuple(b.float_linear),
+                      kernel_weights=tuple(b.kernel_weights))
 
 
 def mlp_activation(b: GraphBuilder, gate: str) -> str:

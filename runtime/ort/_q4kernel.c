@@ -124,7 +124,7 @@ static __thread size_t scratch_size;
 static int product(const Weight *w, const float *x, int64_t rows, float *y, void *context) {
 #ifdef ORTSPEC_X86
     int64_t nb = w->k / QK;
-    size_t need = (size_t)(rows * w->k) + 3 * sizeof(float) * (size_t)(rows * nb) + 64;
+    size_t need = (size_t)(rows * w->k) + 4 * sizeof(float) * (size_t)(rows * nb) + 64;
     if (need > scratch_size) {
         free(scratch);
         scratch = malloc(need);
@@ -135,8 +135,9 @@ static int product(const Weight *w, const float *x, int64_t rows, float *y, void
     float *sx = (float *)(scratch + ((rows * w->k + 15) & ~(int64_t)15));
     float *bx = sx + rows * nb;
     int32_t *ix = (int32_t *)(bx + rows * nb);
-    quantize_rows(x, rows, w->k, qx, sx, bx, ix);
-    Activations a = {rows, w->k, w->n, qx, sx, bx, ix};
+    float *qs = (float *)(ix + rows * nb);
+    quantize_rows(x, rows, w->k, qx, sx, bx, ix, qs);
+    Activations a = {rows, w->k, w->n, qx, sx, bx, ix, qs};
     int64_t tiles = w->n / TILE;
     /* chunks enough for the pool to balance, each of whole tiles */
     Work job = {w, &a, y, tiles, tiles < 16 ? tiles : 16};

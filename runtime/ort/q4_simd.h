@@ -1,7 +1,12 @@
 /* The SIMD kernels of ortspec's custom ops (_q4kernel.c includes this file once).
  *
  * Activations: x [rows, k] float32 -> int8 per row and block of 32 (scale max|x| / 127,
- * rounding to nearest even), with each block's scale sx, its integer sum ix and sx * ix (bx).
+ * rounding to nearest even), with each block's scale sx, the integer sum ix of its int8 values,
+ * bx, the float sum of x over the block, and qs = sx * ix.
+ *
+ * Q4 computes as onnxruntime's block-min graph did: w = d * (q - z) + o per block, z the integer
+ * nearest -m / d in 0..15 and o = m + z * d, so the int8 activations meet the centred (q - z) and
+ * the small offset o multiplies the exact block sum bx.
  *
  * Weights, in tiles of 16 outputs (TILE) by blocks of 32 inputs (QK):
  * - Q4 (Q4_1, w = d * q + m, q in 0..15): 256 bytes a tile-block, 64-byte row j holding, at byte
@@ -22,7 +27,7 @@
 #define INLINE __attribute__((always_inline)) inline
 
 static AVX2 void quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *qx, float *sx,
-                               float *bx, int32_t *ix) {
+                               float *bx, int32_t *ix, float *qs) {
     int64_t nb = k / QK;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t r = 0; r < rows; r++)
@@ -36,6 +41,10 @@ static AVX2 void quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *
             h = _mm_max_ps(h, _mm_movehl_ps(h, h));
             h = _mm_max_ss(h, _mm_movehdup_ps(h));
             float amax = _mm_cvtss_f32(h);
+            __m256 fs = _mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3));
+            __m128 f4 = _mm_add_ps(_mm256_castps256_ps128(fs), _mm256_extractf128_ps(fs, 1));
+            f4 = _mm_add_ps(f4, _mm_movehl_ps(f4, f4));
+            f4 = _mm_add_ss(f4, _mm_movehdup_ps(f4));
             __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
             __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv));
             __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
@@ -51,8 +60,9 @@ static AVX2 void quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *
             _mm256_storeu_si256((__m256i *)(qx + r * k + b * QK), p8);
             int32_t total = _mm_cvtsi128_si32(s4);
             sx[r * nb + b] = amax / 127.f;
-            bx[r * nb + b] = amax / 127.f * (float)total;
+            bx[r * nb + b] = _mm_cvtss_f32(f4);
             ix[r * nb + b] = total;
+            qs[r * nb + b] = amax / 127.f * (float)total;
         }
 }
 
@@ -61,6 +71,7 @@ typedef struct {
     const int8_t *qx;
     const float *sx, *bx;
     const int32_t *ix;
+    const float *qs;
 } Activations;
 
 /* ---- Q4: R rows x one tile, all blocks ---------------------------------------------------- */
@@ -69,11 +80,12 @@ static AVX512 INLINE void q4_tile512(int R, const Activations *a, int64_t r0, co
                                      const uint16_t *d, const uint16_t *m, float *y) {
     const int64_t nb = a->k / QK, k = a->k;
     const int8_t *qx = a->qx + r0 * k;
-    const float *sx = a->sx + r0 * nb, *bx = a->bx + r0 * nb;
+    const float *sx = a->sx + r0 * nb, *bx = a->bx + r0 * nb, *qs = a->qs + r0 * nb;
     __m512 acc[8];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512 zero = _mm512_setzero_ps(), fifteen = _mm512_set1_ps(15.f);
     for (int64_t b = 0; b < nb; b++) {
         __m512i w[8];
 #pragma GCC unroll 4
@@ -84,6 +96,11 @@ static AVX512 INLINE void q4_tile512(int R, const Activations *a, int64_t r0, co
         }
         __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + b * TILE)));
         __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + b * TILE)));
+        __mmask16 nonzero = _mm512_cmp_ps_mask(dv, zero, _CMP_NEQ_OQ);
+        __m512 z = _mm512_maskz_div_ps(nonzero, _mm512_sub_ps(zero, mv), dv);
+        z = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(z, _MM_FROUND_TO_NEAREST_INT |
+                                                                  _MM_FROUND_NO_EXC), zero), fifteen);
+        __m512 off = _mm512_fmadd_ps(z, dv, mv), nzd = _mm512_sub_ps(zero, _mm512_mul_ps(z, dv));
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             const int32_t *xr = (const int32_t *)(qx + r * k + b * QK);
@@ -92,7 +109,8 @@ static AVX512 INLINE void q4_tile512(int R, const Activations *a, int64_t r0, co
             for (int g = 0; g < 8; g++) s = _mm512_dpbusd_epi32(s, w[g], _mm512_set1_epi32(xr[g]));
             __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(sx[r * nb + b]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
-            acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(bx[r * nb + b]), acc[r]);
+            acc[r] = _mm512_fmadd_ps(nzd, _mm512_set1_ps(qs[r * nb + b]), acc[r]);
+            acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(bx[r * nb + b]), acc[r]);
         }
     }
 #pragma GCC unroll 8
@@ -105,11 +123,12 @@ static AVX2 INLINE void q4_tile256(int R, const Activations *a, int64_t r0, cons
                                    const uint16_t *d, const uint16_t *m, float *y) {
     const int64_t nb = a->k / QK, k = a->k;
     const int8_t *qx = a->qx + r0 * k;
-    const float *sx = a->sx + r0 * nb, *bx = a->bx + r0 * nb;
+    const float *sx = a->sx + r0 * nb, *bx = a->bx + r0 * nb, *qs = a->qs + r0 * nb;
     __m256 acc[2][4];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256 zero = _mm256_setzero_ps(), fifteen = _mm256_set1_ps(15.f);
     for (int64_t b = 0; b < nb; b++) {
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
@@ -122,6 +141,11 @@ static AVX2 INLINE void q4_tile256(int R, const Activations *a, int64_t r0, cons
             }
             __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b * TILE + h * 8)));
             __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b * TILE + h * 8)));
+            __m256 nonzero = _mm256_cmp_ps(dv, zero, _CMP_NEQ_OQ);
+            __m256 z = _mm256_and_ps(_mm256_div_ps(_mm256_sub_ps(zero, mv), dv), nonzero);
+            z = _mm256_min_ps(_mm256_max_ps(_mm256_round_ps(z, _MM_FROUND_TO_NEAREST_INT |
+                                                               _MM_FROUND_NO_EXC), zero), fifteen);
+            __m256 off = _mm256_fmadd_ps(z, dv, mv), nzd = _mm256_sub_ps(zero, _mm256_mul_ps(z, dv));
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 const int32_t *xr = (const int32_t *)(qx + r * k + b * QK);
@@ -132,7 +156,8 @@ static AVX2 INLINE void q4_tile256(int R, const Activations *a, int64_t r0, cons
                 __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
                 __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(sx[r * nb + b]));
                 acc[h][r] = _mm256_fmadd_ps(f, scale, acc[h][r]);
-                acc[h][r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(bx[r * nb + b]), acc[h][r]);
+                acc[h][r] = _mm256_fmadd_ps(nzd, _mm256_set1_ps(qs[r * nb + b]), acc[h][r]);
+                acc[h][r] = _mm256_fmadd_ps(off, _mm256_set1_ps(bx[r * nb + b]), acc[h][r]);
             }
         }
     }

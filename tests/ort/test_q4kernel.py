@@ -59,9 +59,13 @@ def _activations(rng, rows: int, k: int) -> np.ndarray:
     return x.astype(np.float32)
 
 
-def _reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+def _reference(x: np.ndarray, w: np.ndarray, m: np.ndarray | None = None,
+               d: np.ndarray | None = None) -> np.ndarray:
     """The op's arithmetic in float64: x rounded to int8 per row and block of 32 (scale
-    max|x| / 127, to nearest even), times the dequantized weight."""
+    max|x| / 127, to nearest even), times the dequantized weight; with the blocks' minima m
+    and steps d [n, k / 32], the weight is split as the op splits it: d * (q - z) with z the integer
+    nearest -m / d in 0..15 meets the int8 activations, the offset m + z * d the exact block
+    sums."""
     rows, k = x.shape
     blocks = x.reshape(rows, k // 32, 32)
     amax = np.abs(blocks).max(-1, keepdims=True)
@@ -69,7 +73,13 @@ def _reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     q = np.rint(blocks * inv)
     assert np.abs(q).max() <= 127
     xq = (q * (amax.astype(np.float64) / 127)).reshape(rows, k)
-    return xq @ w.T.astype(np.float64)
+    if m is None:
+        return xq @ w.T.astype(np.float64)
+    m, d = m.astype(np.float64), d.astype(np.float64)
+    z = np.clip(np.rint(np.divide(-m, d, out=np.zeros_like(m), where=d != 0)), 0, 15)
+    offset = m + z * d
+    centred = w.astype(np.float64) - np.repeat(offset, 32, axis=1)  # d * (q - z)
+    return xq @ centred.T + blocks.astype(np.float64).sum(-1) @ offset.T
 
 
 def test_the_packed_layout_round_trips_a_q4_1_weight_exactly():
@@ -90,8 +100,12 @@ def test_the_product_is_the_int8_rounded_activations_times_the_weight(lib, isa, 
     w = _q4_1_weight(rng, 48, k)
     x = _activations(rng, 9, k)
     lib.ortspec_q4_force_isa(isa)
-    y = _gemm(lib, x, quantize_q4gemm(w))
-    ref = _reference(x, w)
+    qw = quantize_q4gemm(w)
+    y = _gemm(lib, x, qw)
+    def by_output(a):  # [tiles, blocks, 16] -> [n, blocks]
+        return a.astype(np.float32).transpose(0, 2, 1).reshape(48, k // 32)
+
+    ref = _reference(x, w, by_output(qw.m), by_output(qw.d))
     scale = np.abs(x).max(1, keepdims=True) * np.abs(w).sum(1)[None]  # bounds the sum of |terms|
     assert np.all(np.abs(y - ref) <= 4 * (k // 32 + 2) * np.finfo(np.float32).eps * scale)
     assert np.all(y[0] == y[0])  # the zero block gave no NaN
