@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from ortspec.runtime.ort import manifest as mf
+from ortspec.runtime.ort import kernels, manifest as mf
 from ortspec.runtime.check.tolerances import Bound
 from ortspec.runtime.errors import ExportError
 from ortspec.runtime.cli.progress import on_terminal, progress_bar
@@ -63,7 +63,8 @@ STAGES = ("load", "build", "save", "validate", "checksums")
 # its tokens (the `token_rows` input); 6: quantized layers run on flat rows, the block-min
 # offsets added by one Gemm; 7: a quantized GQA graph pads a lone query's attention itself
 # (min_attention_rows) instead of the runtime padding the whole call, and only block-min layers
-# run on flat rows; 8: block-min layers run on ortspec.Q4Gemm where it is built (kernel)
+# run on flat rows; 8: block-min layers and the 8-bit head run on ortspec.Q4Gemm / Q8Gemm where
+# the package's kernels are built (kernel)
 EXPORTER_REVISION = 8
 # the providers each graph flavour is built for (see runtime/providers.py): ORT's CUDA GQA
 # kernel is fp16/bf16 only and TensorRT does not import GQA; standard ONNX ops run anywhere
@@ -106,8 +107,6 @@ def min_attention_rows(*, quant: str | None, attention: str) -> int:
 def resolve_kernel(kernel: str | None, *, quant: str | None, quant_scheme: str) -> str:
     """WeightQuant.kernel of an export: None picks "ortspec" for block-min int4 weights where
     the library is built and runs on this CPU (runtime/ort/kernels.py), else "onnxruntime"."""
-    from ortspec.runtime.ort import kernels
-
     if kernel is not None and kernel not in KERNELS:
         raise ExportOptionError(f"kernel must be one of {', '.join(KERNELS)} or None, got "
                                 f"{kernel!r}")

@@ -28,7 +28,7 @@ class QuantizedWeight:
     n: int
     k: int
     bits: int
-    op: str = "MatMulNBits"  # or "Q4Gemm"
+    op: str = "MatMulNBits"  # or "Q4Gemm", "Q8Gemm" (ortspec's ops; add_quantized decides)
 
 
 GetWeight = Callable[[str], "np.ndarray | None"]  # canonical name -> float32 array, or None
@@ -136,6 +136,10 @@ class GraphBuilder:
             return QuantizedWeight(name=name, inputs=inputs, offsets=None, n=w.shape[0],
                                    k=w.shape[1], bits=bits, op="Q4Gemm")
         qw = quantize_blockwise(w, bits=bits, block_size=block, scheme=scheme)
+        # ortspec.Q8Gemm reads MatMulNBits' own symmetric 8-bit initializers (which a tied
+        # embedding's GatherBlockQuantized reads too) and regroups them when loaded
+        op = "Q8Gemm" if q.kernel == "ortspec" and (bits, scheme, block) == (8, "symmetric", 32) \
+            and w.shape[0] % Q4GEMM_TILE == 0 else "MatMulNBits"
         inputs = [self.add_raw(name + ".q", qw.packed),
                   self.add_tensor(name + ".scales", qw.scales.reshape(-1))]
         if qw.zero_points is not None:
@@ -143,23 +147,16 @@ class GraphBuilder:
         offsets = None if qw.mins is None else \
             self.add_tensor(name + ".offsets", qw.mins.T)  # [n_blocks, N]
         return QuantizedWeight(name=name, inputs=tuple(inputs), offsets=offsets, n=w.shape[0],
-                               k=w.shape[1], bits=bits)
+                               k=w.shape[1], bits=bits, op=op)
 
     def matmul_nbits(self, x: str, w: "QuantizedWeight") -> str:
         """x [rows, K] @ w.T through MatMulNBits, plus the block-min offsets' product (or
-        through ortspec.Q4Gemm, which holds the block minima itself)."""
+        through the ortspec op add_quantized chose, which holds the block minima itself)."""
         q = self.options.quant
-        if w.op == "Q4Gemm":
+        if w.op != "MatMulNBits":  # ortspec.Q4Gemm or Q8Gemm
             self.quantized.append(w.name)
-            return self.g.op1("Q4Gemm", [x, *w.inputs], domain=ORTSPEC_DOMAIN,
-                              name=w.name + "/q4gemm", K=w.k, N=w.n)
-        if q.kernel == "ortspec" and w.bits == 8 and len(w.inputs) == 2 and w.offsets is None \
-                and w.n % Q4GEMM_TILE == 0 and q.block_size == 32:
-            # symmetric 8-bit blocks (the LM head): MatMulNBits' own initializers, which a tied
-            # embedding's GatherBlockQuantized reads too; the op regroups them when loaded
-            self.quantized.append(w.name)
-            return self.g.op1("Q8Gemm", [x, *w.inputs], domain=ORTSPEC_DOMAIN,
-                              name=w.name + "/q8gemm", K=w.k, N=w.n)
+            return self.g.op1(w.op, [x, *w.inputs], domain=ORTSPEC_DOMAIN,
+                              name=f"{w.name}/{w.op.lower()}", K=w.k, N=w.n)
         y = self.g.op1("MatMulNBits", [x, *w.inputs], domain=MS, name=w.name + "/matmul_nbits",
                        K=w.k, N=w.n, bits=w.bits, block_size=q.block_size,
                        accuracy_level=q.accuracy_level)
