@@ -20,10 +20,12 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 from tqdm.auto import tqdm
 
 from ortspec.runtime.ort import kernels, manifest as mf
@@ -64,8 +66,9 @@ STAGES = ("load", "build", "save", "validate", "checksums")
 # offsets added by one Gemm; 7: a quantized GQA graph pads a lone query's attention itself
 # (min_attention_rows) instead of the runtime padding the whole call, and only block-min layers
 # run on flat rows; 8: block-min layers and the 8-bit head run on ortspec.Q4Gemm / Q8Gemm where
-# the package's kernels are built (kernel)
-EXPORTER_REVISION = 8
+# the package's kernels are built (kernel); 9: the window flavour on those kernels attends with
+# ortspec.CacheAttention, reading the cache in place
+EXPORTER_REVISION = 9
 # the providers each graph flavour is built for (see runtime/providers.py): ORT's CUDA GQA
 # kernel is fp16/bf16 only and TensorRT does not import GQA; standard ONNX ops run anywhere
 GRAPH_PROVIDERS = {("gqa", "fp32"): "CPUExecutionProvider",
@@ -74,6 +77,7 @@ GRAPH_PROVIDERS = {("gqa", "fp32"): "CPUExecutionProvider",
                    ("window", "fp32"): "CPUExecutionProvider"}
 # manifest extra.attention: the op that attends (revision 4 and earlier window exports: "Attention")
 ATTENTION_OPS = {"gqa": "GroupQueryAttention", "standard": "Attention", "window": "MatMul"}
+CACHE_ATTENTION_OP = "CacheAttention"  # ... of a window export on ortspec's kernels
 # Why a step and a verify row of a quantized graph can differ (runtime/row_invariance.py):
 # onnxruntime 1.32's CPU GroupQueryAttention computes a lone query row on another path than a
 # row among several (3e-8 apart); the int8 rounding of the next MatMulNBits' activations makes
@@ -88,14 +92,21 @@ ATTENTION_OPS = {"gqa": "GroupQueryAttention", "standard": "Attention", "window"
 # int4 step costs 0.91-1.04x GQA's at B = 1 (past 1200 down to 64), 0.79-0.95x what the ONNX
 # Attention op did. Its rows are bitwise row-invariant once every MatMul sees two rows or more
 # (min_call_rows 2, at every precision: a call runs two tokens in all); the attention's MatMuls
-# see G rows a token (a lone query runs twice when G = 1)
+# see G rows a token (a lone query runs twice when G = 1). On ortspec's kernels the window graph
+# attends with ortspec.CacheAttention and holds no onnxruntime matmul: min_call_rows 1
 MAX_BATCH = {"gqa": 1, "standard": 1, "window": 16}
+ROW_PATH_OPS = ("MatMul", "Gemm", "FusedMatMul", "MatMulNBits")  # ... the matmuls meant
 
 
-def min_call_rows(*, attention: str) -> int:
-    """Manifest.min_call_rows of an export: 2 for the window flavour, whose one-row calls
-    round differently from their rows among several (its float MatMuls); else 1."""
-    return 2 if attention == "window" else 1
+def min_call_rows(*, attention: str, ops: Iterable[str] | None = None) -> int:
+    """Manifest.min_call_rows of an export whose graph holds the node types `ops` (None: not
+    known yet, the most it can be): 2 for a window graph with any of onnxruntime's matmuls,
+    whose one-row calls round differently from their rows among several; else 1 (a window
+    graph on ortspec's kernels, Q4Gemm, Q8Gemm and CacheAttention, computes a row alike at
+    every row count)."""
+    if attention != "window":
+        return 1
+    return 2 if ops is None or not set(ops).isdisjoint(ROW_PATH_OPS) else 1
 
 
 def min_attention_rows(*, quant: str | None, attention: str) -> int:
@@ -401,13 +412,17 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
         chat_format=chat_format,
         chat_template=getattr(ckpt.tokenizer, "chat_template", None) or None,
         bos_token_id=chat.bos_token_id(ckpt.tokenizer),
-        extra={"exporter_revision": EXPORTER_REVISION, "attention": ATTENTION_OPS[attention],
+        extra={"exporter_revision": EXPORTER_REVISION,
+               "attention": CACHE_ATTENTION_OP if attention == "window" and quant is not None
+               and quant.kernel == "ortspec"
+               else ATTENTION_OPS[attention],
                "opset": opset, "model_type": getattr(ckpt.model.config, "model_type", None),
                "family": ckpt.spec.family,
                "tied_embeddings": ckpt.spec.tied_embeddings,
                "weight_bytes": files.weight_bytes,
                **_weight_format(options, files)},
-        min_call_rows=min_call_rows(attention=attention),
+        min_call_rows=min_call_rows(attention=attention, ops={
+            n.op_type for n in onnx.load(str(tmp / GRAPH_FILE), load_external_data=False).graph.node}),
         min_attention_rows=attention_rows,
         row_probe=probe,
         max_batch=MAX_BATCH[attention],
@@ -474,6 +489,8 @@ def _flavour_of(manifest: mf.Manifest) -> str | None:
     op = manifest.extra.get("attention")
     if op == ATTENTION_OPS["standard"]:
         return "window" if manifest.max_batch > 1 else "standard"
+    if op == CACHE_ATTENTION_OP:
+        return "window"
     return {o: key for key, o in ATTENTION_OPS.items()}.get(op)
 
 

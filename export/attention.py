@@ -13,7 +13,9 @@ buffer as past and present.
 - "window" (the batched CPU graph: B rows, each its own past): as "standard" for the rotary and
   the cache writes, then per KV head two MatMuls (scores, then probabilities times values)
   over the first W cache slots only, W the longest row's past + S, for all of the head's
-  group of query heads at once.
+  group of query heads at once. On ortspec's kernels (WeightQuant.kernel "ortspec") one
+  ortspec.CacheAttention node a layer attends instead: each packed row's queries over its own
+  row of the cache, read in place up to the row's position.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from onnx import TensorProto, numpy_helper
 from ortspec.runtime.ort import graph_io as gio
 
 from .builder import GraphBuilder
-from .graph_spec import MS, NUMPY_DTYPES
+from .graph_spec import MS, NUMPY_DTYPES, ORTSPEC_DOMAIN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,12 +123,14 @@ def _split_qkv(b: GraphBuilder, qkv: str) -> list[str]:
 # -- standard ONNX ops ----------------------------------------------------------------------------
 
 
-def _row_preamble(b: GraphBuilder, slots: str, *, pad_lone_query: bool = False
+def _row_preamble(b: GraphBuilder, slots: str | None, *, pad_lone_query: bool = False
                   ) -> dict[str, str]:
     """Per-row positions from the mask: row r holds past_r + S ones, so its new tokens sit at
     past_r .. past_r + S - 1 (rows of one call may have different pasts); and the causal mask
     over the key slots `slots` (an int64 tensor of slot numbers that broadcasts against
     [B, S, 1]): query s of row r sees slot j when j <= its own position.
+
+    slots None: the positions alone, no mask (ortspec.CacheAttention reads the positions).
 
     pad_lone_query: the attention's queries are S' = max(S, 2) (see `_window_preamble`): the
     masks, and "positions" they are made from, cover S' queries, the last copied at S = 1;
@@ -149,6 +153,8 @@ def _row_preamble(b: GraphBuilder, slots: str, *, pad_lone_query: bool = False
         "valid": valid,  # [B]: nonpad_kv_seqlen
         "slots": slots,
     }
+    if slots is None:
+        return ctx
     queries = positions
     if pad_lone_query:
         zero_1d = g.const("zero_1d", np.array([0], np.int64))
@@ -247,8 +253,14 @@ def _window_preamble(b: GraphBuilder) -> dict[str, str]:
     KV head) the attention runs a lone query on two copies of it (Pad, edge mode), the mask
     row copied alike, and drops the copy's output.
 
-    "mask_rows" is the causal mask as the grouped rows see it: [B, 1, S' * G, W]."""
+    "mask_rows" is the causal mask as the grouped rows see it: [B, 1, S' * G, W]. An export on
+    ortspec's kernels attends with ortspec.CacheAttention instead (`_cache_attention`), which
+    needs the rows' positions alone."""
     g, spec = b.g, b.spec
+    grid_qkv_shape = g.op1("Concat", [g.op1("Shape", [gio.INPUT_IDS]), g.const(
+        f"width_{spec.qkv_dim}", np.array([spec.qkv_dim], np.int64))], axis=0)  # [3]: B, S, qkv
+    if uses_cache_attention(b):
+        return {**_row_preamble(b, None), "grid_qkv_shape": grid_qkv_shape}
     width = g.op1("Shape", [gio.ATTENTION_MASK], start=1, end=2)  # [1]: W
     zero = g.const("zero_i64", np.array(0, np.int64))
     one = g.const("one_i64", np.array(1, np.int64))
@@ -256,8 +268,7 @@ def _window_preamble(b: GraphBuilder) -> dict[str, str]:
     slots = g.op1("Range", [zero, g.op1("Squeeze", [width, axis0]), one])  # [W]
     ctx = {**_row_preamble(b, slots, pad_lone_query=spec.query_group == 1), "width": width}
     ctx["mask_rows"] = _mask_rows(b, ctx["mask"], width)
-    ctx["grid_qkv_shape"] = g.op1("Concat", [g.op1("Shape", [gio.INPUT_IDS]), g.const(
-        f"width_{spec.qkv_dim}", np.array([spec.qkv_dim], np.int64))], axis=0)  # [3]: B, S, qkv
+    ctx["grid_qkv_shape"] = grid_qkv_shape
     return ctx
 
 
@@ -307,6 +318,8 @@ def _window_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) ->
     group = spec.query_group
     grid = g.op1("Reshape", [to_grid(b, qkv, spec.qkv_dim, ctx), ctx["grid_qkv_shape"]])
     q, key, value = _rotate_and_store(b, i, grid, ctx)
+    if uses_cache_attention(b):
+        return _cache_attention(b, i, q, key, value, ctx)
     zero = g.const("axes_0_start", np.array([0], np.int64))
     axis2 = g.const("axes_2", np.array([2], np.int64))
     key_w = g.op1("Slice", [key, zero, ctx["width"], axis2])  # [B, kv_heads, W, hd]
@@ -331,6 +344,28 @@ def _window_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) ->
         y = g.op1("Transpose", [y], perm=[0, 2, 1, 3, 4])  # [B, S, kv, G, hd]
     flat = g.const("shape_rows_attn_flat", np.array([-1, q_dim], np.int64))
     return g.op1("Gather", [g.op1("Reshape", [y, flat]), gio.TOKEN_ROWS], axis=0)  # [M, q_dim]
+
+
+def uses_cache_attention(b: GraphBuilder) -> bool:
+    """Whether the window graph attends with ortspec.CacheAttention: an export whose products run
+    on ortspec's kernels (WeightQuant.kernel "ortspec"), which registers the same library."""
+    return b.options.quant is not None and b.options.quant.kernel == "ortspec"
+
+
+def _cache_attention(b: GraphBuilder, i: int, q: str, key: str, value: str,
+                     ctx: dict[str, str]) -> str:
+    """ortspec.CacheAttention: each packed row's query heads over its own cache row, slots 0 to
+    its position (or its sliding window), read in place: no slice of the cache, no mask, no
+    padded query; [M, heads * hd]. Every query is computed alone in a fixed order, so a row's
+    output is the same whatever the call holds."""
+    spec = b.spec
+    attrs: dict[str, Any] = {"num_heads": spec.num_heads, "scale": float(spec.attention_scale)}
+    if spec.attn_softcap:
+        attrs["softcap"] = float(spec.attn_softcap)
+    if spec.window(i):
+        attrs["local_window_size"] = int(spec.window(i))
+    return b.g.op1("CacheAttention", [q, key, value, ctx["position_ids"], gio.TOKEN_ROWS],
+                   domain=ORTSPEC_DOMAIN, name=f"layers.{i}.attn", **attrs)
 
 
 def _mask_rows(b: GraphBuilder, mask: str, width: str) -> str:

@@ -8,7 +8,11 @@
  *                             LM head, whose bytes a tied embedding's GatherBlockQuantized also
  *                             reads. The op regroups them into Q8 tiles when its kernel is made.
  *
- * Attributes K and N; x float [..., K], y float [..., N]. x is rounded to int8 per row and block
+ *   CacheAttention(q, key, value, positions, token_rows) -> y
+ *                             the attention of the queries token_rows names over their own
+ *                             rows of the KV cache, read in place (attention_simd.h).
+ *
+ * Q4Gemm and Q8Gemm: attributes K and N; x float [..., K], y float [..., N]. x is rounded to int8 per row and block
  * of 32, as MatMulNBits does at accuracy level 4; each block's integer dot product is exact and
  * each output is summed in the same order whatever the row count, so a row of a many-row call is
  * the lone row bit for bit. A tile's weights, unpacked once, serve up to 8 rows (AVX-512 VNNI) or
@@ -25,42 +29,14 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #define ORTSPEC_X86 1
 #include "q4_simd.h"
+#include "attention_simd.h"
 #else
 #define QK 32
 #define TILE 16
 static int detect_isa(void) { return 0; }
 #endif
 
-typedef void OrtStatus;
-typedef struct OrtApiBase {
-    const void *(*GetApi)(uint32_t version);
-    const char *(*GetVersionString)(void);
-} OrtApiBase;
-
-enum {  /* slots of the OrtApi function table */
-    API_CreateStatus = 0, API_CreateCustomOpDomain = 26, API_CustomOpDomain_Add = 27,
-    API_AddCustomOpDomain = 28, API_GetTensorMutableData = 51, API_GetDimensionsCount = 61,
-    API_GetDimensions = 62, API_GetTensorTypeAndShape = 65, API_KernelInfoGetAttribute_int64 = 86,
-    API_KernelContext_GetInput = 90, API_KernelContext_GetOutput = 91, API_ReleaseStatus = 93,
-    API_ReleaseTensorTypeAndShapeInfo = 99, API_KernelInfoGetConstantInput_tensor = 249,
-    API_KernelContext_ParallelFor = 274,
-};
-#define API_VERSION 16 /* the first with KernelContext_ParallelFor */
-
-static const void *const *api;
-#define FN(slot, type) ((type)api[slot])
-
-typedef OrtStatus *(*create_status_t)(int, const char *);
-typedef void (*release_t)(void *);
-typedef OrtStatus *(*get_input_t)(const void *, size_t, const void **);
-typedef OrtStatus *(*get_output_t)(void *, size_t, const int64_t *, size_t, void **);
-typedef OrtStatus *(*type_shape_t)(const void *, void **);
-typedef OrtStatus *(*dims_count_t)(const void *, size_t *);
-typedef OrtStatus *(*dims_t)(const void *, int64_t *, size_t);
-typedef OrtStatus *(*mutable_data_t)(void *, void **);
-typedef OrtStatus *(*parallel_for_t)(const void *, void (*)(void *, size_t), size_t, size_t, void *);
-typedef OrtStatus *(*attr_int_t)(const void *, const char *, int64_t *);
-typedef OrtStatus *(*constant_input_t)(const void *, size_t, int *, const void **);
+#include "ort_abi.h"
 
 static int isa = -1, forced_isa = -1;
 
@@ -185,17 +161,6 @@ int ortspec_q8_gemm(const float *x, int64_t rows, int64_t k, int64_t n, const ui
 
 /* ---- the custom ops -------------------------------------------------------------------------- */
 
-static int failed(OrtStatus *status) {
-    if (!status) return 0;
-    FN(API_ReleaseStatus, release_t)(status);
-    return 1;
-}
-
-static void *data_of(const void *value) {
-    void *p = NULL;
-    return failed(FN(API_GetTensorMutableData, mutable_data_t)((void *)value, &p)) ? NULL : p;
-}
-
 typedef struct {
     Weight w;
     uint8_t *owned_q;  /* Q8: the regrouped weight and scales, freed with the kernel */
@@ -216,14 +181,10 @@ static void kernel_compute(void *state, void *context) {
         w.m = data_of(v[2]);
         if (!w.q || !w.d || !w.m) return;
     }
-    void *info;
     size_t rank = 0;
     int64_t dims[8];
-    if (failed(FN(API_GetTensorTypeAndShape, type_shape_t)(x_value, &info))) return;
-    int bad = failed(FN(API_GetDimensionsCount, dims_count_t)(info, &rank)) || rank < 1 ||
-              rank > 8 || failed(FN(API_GetDimensions, dims_t)(info, dims, rank));
-    FN(API_ReleaseTensorTypeAndShapeInfo, release_t)(info);
-    if (bad || dims[rank - 1] != w.k) return;  /* no output: onnxruntime reports the node */
+    if (shape_of(x_value, dims, &rank) || rank < 1 || dims[rank - 1] != w.k)
+        return;  /* no output: onnxruntime reports the node */
     int64_t rows = 1;
     for (size_t i = 0; i + 1 < rank; i++) rows *= dims[i];
     dims[rank - 1] = w.n;
@@ -295,66 +256,115 @@ static void *create_q8(const void *op, const void *unused, const void *info) {
 
 static const char *q4_name(const void *op) { (void)op; return "Q4Gemm"; }
 static const char *q8_name(const void *op) { (void)op; return "Q8Gemm"; }
-static const char *cpu(const void *op) { (void)op; return "CPUExecutionProvider"; }
-/* ONNX element types: 1 float, 2 uint8, 10 float16 */
 static int q4_input_type(const void *op, size_t i) { (void)op; return i == 0 ? 1 : i == 1 ? 2 : 10; }
 static size_t q4_inputs(const void *op) { (void)op; return 4; }
 static int q8_input_type(const void *op, size_t i) { (void)op; return i == 1 ? 2 : 1; }
 static size_t q8_inputs(const void *op) { (void)op; return 3; }
-static int output_type(const void *op, size_t i) { (void)op; (void)i; return 1; }
-static size_t one_output(const void *op) { (void)op; return 1; }
-static int required(const void *op, size_t i) { (void)op; (void)i; return 0; }
-static int default_memory(const void *op, size_t i) { (void)op; (void)i; return 0; }
-static int one(const void *op) { (void)op; return 1; }
-static int first_version(const void *op) { (void)op; return 1; }
-static int last_version(const void *op) { (void)op; return 0x7fffffff; }
-static size_t no_pairs(int **a, int **b) { *a = NULL; *b = NULL; return 0; }
-static void release_pairs(int *a, int *b) { (void)a; (void)b; }
+static CustomOp q4_op = CUSTOM_OP(create_q4, q4_name, q4_input_type, q4_inputs, kernel_compute,
+                                  destroy_kernel);
+static CustomOp q8_op = CUSTOM_OP(create_q8, q8_name, q8_input_type, q8_inputs, kernel_compute,
+                                  destroy_kernel);
 
-/* OrtCustomOp: every member onnxruntime may read, in the C API's order. The V2 kernel entry
- * points and shape inference are NULL, so the V1 ones run and outputs are sized at run time. */
+/* ---- CacheAttention ------------------------------------------------------------------------ */
+
+/* Inputs: q float [B, S, heads * hd] (rotary applied); key, value float [>= B, kv, cap, hd], the
+ * cache after this call's keys and values went in (read in place, never copied); positions int64
+ * [B, S], each query's position (it sees slots up to it); token_rows int64 [M], the flat
+ * positions b * S + s whose outputs are computed. Output y float [M, heads * hd]. Attributes:
+ * num_heads, scale, and optionally softcap (0: none) and local_window_size (0: none). A position
+ * or token row out of range, or inputs whose shapes do not fit each other, give NaN rows, which
+ * the runtime refuses. */
 typedef struct {
-    uint32_t version;
-    void *(*CreateKernel)(const void *, const void *, const void *);
-    const char *(*GetName)(const void *);
-    const char *(*GetExecutionProviderType)(const void *);
-    int (*GetInputType)(const void *, size_t);
-    size_t (*GetInputTypeCount)(const void *);
-    int (*GetOutputType)(const void *, size_t);
-    size_t (*GetOutputTypeCount)(const void *);
-    void (*KernelCompute)(void *, void *);
-    void (*KernelDestroy)(void *);
-    int (*GetInputCharacteristic)(const void *, size_t);
-    int (*GetOutputCharacteristic)(const void *, size_t);
-    int (*GetInputMemoryType)(const void *, size_t);
-    int (*GetVariadicInputMinArity)(const void *);
-    int (*GetVariadicInputHomogeneity)(const void *);
-    int (*GetVariadicOutputMinArity)(const void *);
-    int (*GetVariadicOutputHomogeneity)(const void *);
-    void *CreateKernelV2;
-    void *KernelComputeV2;
-    void *InferOutputShapeFn;
-    int (*GetStartVersion)(const void *);
-    int (*GetEndVersion)(const void *);
-    size_t (*GetMayInplace)(int **, int **);
-    void (*ReleaseMayInplace)(int *, int *);
-    size_t (*GetAliasMap)(int **, int **);
-    void (*ReleaseAliasMap)(int *, int *);
-    void *unused[16];  /* zeroed room for members of later versions */
-} CustomOp;
+    int64_t heads, window;
+    float scale, softcap;
+} Attention;
 
-#define CUSTOM_OP(create, name, input_type, inputs)                                          \
-    {API_VERSION, create, name, cpu, input_type, inputs, output_type, one_output,           \
-     kernel_compute, destroy_kernel, required, required, default_memory, one, one, one, one, \
-     NULL, NULL, NULL, first_version, last_version, no_pairs, release_pairs, no_pairs,       \
-     release_pairs, {0}}
+typedef struct {
+    const Attention *op;
+    const float *q, *k, *v;
+    const int64_t *positions, *rows;
+    float *y;
+    int64_t b, s, kv, cap, hd;
+} AttentionJob;
 
-static CustomOp q4_op = CUSTOM_OP(create_q4, q4_name, q4_input_type, q4_inputs);
-static CustomOp q8_op = CUSTOM_OP(create_q8, q8_name, q8_input_type, q8_inputs);
+static __thread float *attn_scratch;  /* the scores of one query */
+static __thread size_t attn_scratch_size;
 
-typedef OrtStatus *(*create_domain_t)(const char *, void **);
-typedef OrtStatus *(*domain_add_t)(void *, const void *);
-typedef OrtStatus *(*add_domain_t)(void *, void *);
+/* task i: token row i / kv, the query heads of KV head i % kv */
+static void attention_task(void *data, size_t i) {
+    AttentionJob *job = data;
+    int64_t kv = job->kv, hd = job->hd, group = job->op->heads / kv;
+    int64_t m = (int64_t)i / kv, h = (int64_t)i % kv, width = job->op->heads * hd;
+    float *y = job->y + m * width + h * group * hd;
+    int64_t flat = job->rows[m], p = -1;
+    if (flat >= 0 && flat < job->b * job->s) p = job->positions[flat];
+    size_t need = sizeof(float) * (size_t)(group * (p + 9));
+    if (p >= 0 && p < job->cap && need > attn_scratch_size) {
+        free(attn_scratch);
+        attn_scratch = malloc(need);
+        attn_scratch_size = attn_scratch ? need : 0;
+    }
+    if (p < 0 || p >= job->cap || !attn_scratch) {
+        for (int64_t j = 0; j < group * hd; j++) y[j] = __builtin_nanf("");
+        return;
+    }
+#ifdef ORTSPEC_X86
+    int64_t lo = job->op->window > 0 && p - job->op->window + 1 > 0 ? p - job->op->window + 1 : 0;
+    int64_t at = ((flat / job->s) * kv + h) * job->cap * hd;
+    attend(job->q + flat * width + h * group * hd, group, job->k + at, job->v + at, hd, lo, p,
+           job->op->scale, job->op->softcap, attn_scratch, y);
+#endif
+}
+
+static void attention_compute(void *state, void *context) {
+    const Attention *op = state;
+    int64_t qd[8], kd[8], vd[8], pd[8], rd[8];
+    size_t qr = 0, kr = 0, vr = 0, pr = 0, rr = 0;
+    const float *q = input_of(context, 0, qd, &qr), *k = input_of(context, 1, kd, &kr);
+    const float *v = input_of(context, 2, vd, &vr);
+    const int64_t *positions = input_of(context, 3, pd, &pr), *rows = input_of(context, 4, rd, &rr);
+    if (qr != 3 || rr != 1) return;  /* no output: onnxruntime reports the missing tensor */
+    int64_t out[2] = {rd[0], qd[2]};
+    void *y_value;
+    if (failed(FN(API_KernelContext_GetOutput, get_output_t)(context, 0, out, 2, &y_value))) return;
+    float *y = data_of(y_value);
+    if (!y || rd[0] == 0) return;
+    if (!q || !k || !v || !positions || !rows || kr != 4 || vr != 4 || pr != 2 ||
+        qd[2] % op->heads || kd[1] <= 0 || op->heads % kd[1] || kd[3] != qd[2] / op->heads ||
+        kd[0] < qd[0] || memcmp(kd, vd, sizeof(int64_t) * 4) || pd[0] != qd[0] ||
+        pd[1] != qd[1]) {  /* shapes that do not fit: NaN rows, which the runtime refuses */
+        for (int64_t i = 0; i < out[0] * out[1]; i++) y[i] = __builtin_nanf("");
+        return;
+    }
+    AttentionJob job = {op, q, k, v, positions, rows, y, qd[0], qd[1], kd[1], kd[2], kd[3]};
+    size_t tasks = (size_t)(rd[0] * kd[1]);
+    if (tasks <= 1 || failed(FN(API_KernelContext_ParallelFor, parallel_for_t)(
+                                  context, attention_task, tasks, 0, &job)))
+        for (size_t i = 0; i < tasks; i++) attention_task(&job, i);
+}
+
+static void *create_attention(const void *unused_op, const void *unused, const void *info) {
+    (void)unused_op; (void)unused;
+    Attention *op = calloc(1, sizeof(Attention));
+    if (!op) return NULL;
+    if (failed(FN(API_KernelInfoGetAttribute_int64, attr_int_t)(info, "num_heads", &op->heads)) ||
+        failed(FN(API_KernelInfoGetAttribute_float, attr_float_t)(info, "scale", &op->scale)) ||
+        op->heads <= 0) {
+        free(op);
+        return NULL;
+    }
+    if (failed(FN(API_KernelInfoGetAttribute_float, attr_float_t)(info, "softcap", &op->softcap)))
+        op->softcap = 0.f;  /* optional attributes */
+    if (failed(FN(API_KernelInfoGetAttribute_int64, attr_int_t)(info, "local_window_size", &op->window)))
+        op->window = 0;
+    return op;
+}
+
+static const char *attention_name(const void *op) { (void)op; return "CacheAttention"; }
+static int attention_input_type(const void *op, size_t i) { (void)op; return i < 3 ? 1 : 7; }
+static size_t attention_inputs(const void *op) { (void)op; return 5; }
+static CustomOp attention_op = CUSTOM_OP(create_attention, attention_name, attention_input_type,
+                                         attention_inputs, attention_compute, free);
 
 /* the entry point of SessionOptions.register_custom_ops_library */
 OrtStatus *RegisterCustomOps(void *options, const OrtApiBase *base) {
@@ -370,7 +380,8 @@ OrtStatus *RegisterCustomOps(void *options, const OrtApiBase *base) {
     OrtStatus *status;
     if ((status = FN(API_CreateCustomOpDomain, create_domain_t)("ortspec", &domain)) ||
         (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &q4_op)) ||
-        (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &q8_op)))
+        (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &q8_op)) ||
+        (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &attention_op)))
         return status;
     return FN(API_AddCustomOpDomain, add_domain_t)(options, domain);
 }

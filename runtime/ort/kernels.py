@@ -1,4 +1,6 @@
-"""ortspec's own onnxruntime kernels: the `ortspec.Q4Gemm` custom op (runtime/ort/_q4kernel.c).
+"""ortspec's own onnxruntime kernels (runtime/ort/_q4kernel.c): the custom ops `ortspec.Q4Gemm`
+and `ortspec.Q8Gemm` (the int4 layers and the 8-bit head) and `ortspec.CacheAttention` (the
+batched graph's attention over the KV cache, read in place).
 
 pip builds the C file as an extension module of this package; onnxruntime loads it with
 `SessionOptions.register_custom_ops_library`, and `_new_session` (sessions.py) does that for
@@ -42,7 +44,7 @@ def isa() -> int:
 
 
 def available() -> bool:
-    """Whether ortspec.Q4Gemm can run in this process."""
+    """Whether ortspec's ops can run in this process."""
     return isa() > 0
 
 

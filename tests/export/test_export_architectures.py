@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from ortspec.export.tiny import EOS_ID, VOCAB, make_tokenizer, save_checkpoint, scale_up
@@ -24,6 +25,7 @@ from ortspec.runtime.check.tolerances import TOLERANCES
 from ortspec.runtime import (PromptLookupSpeculator, SpeculativeOptions, load_model,
                              plain_decode, speculative_decode_with)
 from ortspec.runtime.ort import graph_io as gio
+from ortspec.runtime.ort import kernels
 from ortspec.runtime.ort import manifest as mf
 from ortspec.runtime.cli.check import main as check_main
 from ortspec.runtime.errors import ExportError
@@ -339,6 +341,28 @@ def test_family_window_flavour_matches_transformers_and_batches_exactly(name, so
     m = mf.read_manifest(out)
     assert m.max_batch > 1 and m.min_call_rows == 2
     _check_logits(sources(name), out)
+    _check_greedy_identity(out)
+    _check_batch_rows(out)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="ortspec's kernel library is not built here")
+@pytest.mark.parametrize("name", ["llama-mha", "mistral-sliding", "gemma2", "phi4-mini"])
+def test_family_int4_window_flavour_attends_with_cache_attention_exactly(name, sources,
+                                                                        tmp_path):
+    """An int4 window export on ortspec's kernels attends with ortspec.CacheAttention (one query
+    head a KV head, a sliding window, Gemma 2's soft-cap, 128-float heads): the export's own
+    validation against PyTorch passes, greedy speculation is plain decoding, and rows of one
+    batched call are bitwise their solo calls, a lone row's unpadded step included."""
+    out = export_model(sources(name), out=tmp_path / "out", capacity=CAP, max_verify_len=VERIFY,
+                       attention="window", quant="int4", progress=False)
+    m = mf.read_manifest(out)
+    assert m.extra["weights"]["kernel"] == "ortspec"
+    assert m.extra["attention"] == "CacheAttention"
+    assert m.min_call_rows == 1  # no onnxruntime matmul left: a lone row needs no copy
+    graph = onnx.load(str(out / m.entry_points["verify"].graph), load_external_data=False)
+    ops = [n.op_type for n in graph.graph.node]
+    assert ops.count("CacheAttention") == m.architecture.num_layers
+    assert "Softmax" not in ops and "Slice" not in ops  # the cache is read in place
     _check_greedy_identity(out)
     _check_batch_rows(out)
 
