@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 from tqdm.auto import tqdm
 
 from ortspec.runtime.ort import kernels, manifest as mf
@@ -413,16 +412,14 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
         chat_template=getattr(ckpt.tokenizer, "chat_template", None) or None,
         bos_token_id=chat.bos_token_id(ckpt.tokenizer),
         extra={"exporter_revision": EXPORTER_REVISION,
-               "attention": CACHE_ATTENTION_OP if attention == "window" and quant is not None
-               and quant.kernel == "ortspec"
+               "attention": CACHE_ATTENTION_OP if CACHE_ATTENTION_OP in files.op_types
                else ATTENTION_OPS[attention],
                "opset": opset, "model_type": getattr(ckpt.model.config, "model_type", None),
                "family": ckpt.spec.family,
                "tied_embeddings": ckpt.spec.tied_embeddings,
                "weight_bytes": files.weight_bytes,
                **_weight_format(options, files)},
-        min_call_rows=min_call_rows(attention=attention, ops={
-            n.op_type for n in onnx.load(str(tmp / GRAPH_FILE), load_external_data=False).graph.node}),
+        min_call_rows=min_call_rows(attention=attention, ops=files.op_types),
         min_attention_rows=attention_rows,
         row_probe=probe,
         max_batch=MAX_BATCH[attention],

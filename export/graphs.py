@@ -61,6 +61,7 @@ class GraphFiles:
     quantized: tuple[str, ...] = ()  # the weights stored as MatMulNBits (names as in the graph)
     float_linear: tuple[str, ...] = ()  # with `quant`, the ones left float (K % block_size)
     kernel_weights: tuple[str, ...] = ()  # checkpoint names multiplied by ortspec.Q4Gemm
+    op_types: frozenset[str] = frozenset()  # the graph's node types
 
 
 
@@ -162,7 +163,8 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
     graph_path.write_bytes(model.SerializeToString())
     return GraphFiles(graph=graph_path, data=data_path, weight_bytes=weight_bytes,
                       quantized=tuple(b.quantized), float_linear=tuple(b.float_linear),
-                      kernel_weights=tuple(b.kernel_weights))
+                      kernel_weights=tuple(b.kernel_weights),
+                      op_types=frozenset(n.op_type for n in model.graph.node))
 
 
 def mlp_activation(b: GraphBuilder, gate: str) -> str:

@@ -170,28 +170,23 @@ typedef struct {
 static void kernel_compute(void *state, void *context) {
     Kernel *kern = state;
     Weight w = kern->w;
-    const void *x_value;
-    if (failed(FN(API_KernelContext_GetInput, get_input_t)(context, 0, &x_value))) return;
+    size_t rank = 0, unused_rank;
+    int64_t dims[8], unused_dims[8];
     if (w.op == OP_Q4) {  /* the weight is the op's inputs 1-3 */
-        const void *v[3];
-        for (size_t i = 0; i < 3; i++)
-            if (failed(FN(API_KernelContext_GetInput, get_input_t)(context, i + 1, &v[i]))) return;
-        w.q = data_of(v[0]);
-        w.d = data_of(v[1]);
-        w.m = data_of(v[2]);
+        w.q = input_of(context, 1, unused_dims, &unused_rank);
+        w.d = input_of(context, 2, unused_dims, &unused_rank);
+        w.m = input_of(context, 3, unused_dims, &unused_rank);
         if (!w.q || !w.d || !w.m) return;
     }
-    size_t rank = 0;
-    int64_t dims[8];
-    if (shape_of(x_value, dims, &rank) || rank < 1 || dims[rank - 1] != w.k)
-        return;  /* no output: onnxruntime reports the node */
+    float *x = input_of(context, 0, dims, &rank);  /* NULL for an empty x, whose shape is read */
+    if (rank < 1 || dims[rank - 1] != w.k) return;  /* no output: onnxruntime reports the node */
     int64_t rows = 1;
     for (size_t i = 0; i + 1 < rank; i++) rows *= dims[i];
     dims[rank - 1] = w.n;
     void *y_value;
     if (failed(FN(API_KernelContext_GetOutput, get_output_t)(context, 0, dims, rank, &y_value)))
         return;
-    float *y = data_of(y_value), *x = data_of(x_value);
+    float *y = data_of(y_value);
     if (!y || rows == 0) return;
     if (!x || product(&w, x, rows, y, context) != 0)
         for (int64_t i = 0; i < rows * w.n; i++) y[i] = __builtin_nanf("");  /* never stale data */
@@ -256,9 +251,12 @@ static void *create_q8(const void *op, const void *unused, const void *info) {
 
 static const char *q4_name(const void *op) { (void)op; return "Q4Gemm"; }
 static const char *q8_name(const void *op) { (void)op; return "Q8Gemm"; }
-static int q4_input_type(const void *op, size_t i) { (void)op; return i == 0 ? 1 : i == 1 ? 2 : 10; }
+static int q4_input_type(const void *op, size_t i) {
+    (void)op;
+    return i == 0 ? ELEM_FLOAT : i == 1 ? ELEM_UINT8 : ELEM_FLOAT16;
+}
 static size_t q4_inputs(const void *op) { (void)op; return 4; }
-static int q8_input_type(const void *op, size_t i) { (void)op; return i == 1 ? 2 : 1; }
+static int q8_input_type(const void *op, size_t i) { (void)op; return i == 1 ? ELEM_UINT8 : ELEM_FLOAT; }
 static size_t q8_inputs(const void *op) { (void)op; return 3; }
 static CustomOp q4_op = CUSTOM_OP(create_q4, q4_name, q4_input_type, q4_inputs, kernel_compute,
                                   destroy_kernel);
@@ -361,7 +359,7 @@ static void *create_attention(const void *unused_op, const void *unused, const v
 }
 
 static const char *attention_name(const void *op) { (void)op; return "CacheAttention"; }
-static int attention_input_type(const void *op, size_t i) { (void)op; return i < 3 ? 1 : 7; }
+static int attention_input_type(const void *op, size_t i) { (void)op; return i < 3 ? ELEM_FLOAT : ELEM_INT64; }
 static size_t attention_inputs(const void *op) { (void)op; return 5; }
 static CustomOp attention_op = CUSTOM_OP(create_attention, attention_name, attention_input_type,
                                          attention_inputs, attention_compute, free);

@@ -65,7 +65,8 @@ static int shape_of(const void *value, int64_t *dims, size_t *rank) {
     return bad ? -1 : 0;
 }
 
-/* input i of a kernel's context, its data and shape; NULL where any cannot be read */
+/* input i of a kernel's context: its data, NULL where it cannot be read or the tensor is empty;
+ * dims and rank are filled wherever the shape can be read (rank stays as passed otherwise) */
 static void *input_of(void *context, size_t i, int64_t *dims, size_t *rank) {
     const void *value;
     if (failed(FN(API_KernelContext_GetInput, get_input_t)(context, i, &value)) || !value ||
@@ -106,8 +107,11 @@ typedef struct {
     void *unused[16];  /* zeroed room for members of later versions */
 } CustomOp;
 
+/* the ONNX element types the ops declare: 1 float, 2 uint8, 7 int64, 10 float16 */
+enum { ELEM_FLOAT = 1, ELEM_UINT8 = 2, ELEM_INT64 = 7, ELEM_FLOAT16 = 10 };
+
 static const char *cpu(const void *op) { (void)op; return "CPUExecutionProvider"; }
-static int output_type(const void *op, size_t i) { (void)op; (void)i; return 1; }  /* float */
+static int output_type(const void *op, size_t i) { (void)op; (void)i; return ELEM_FLOAT; }
 static size_t one_output(const void *op) { (void)op; return 1; }
 static int required(const void *op, size_t i) { (void)op; (void)i; return 0; }
 static int default_memory(const void *op, size_t i) { (void)op; (void)i; return 0; }
