@@ -35,6 +35,7 @@ from ortspec.runtime.paths import models_dir
 from ortspec.runtime.validation import check_int
 
 from . import chat
+from .attention import ATTENTION_OPS, CACHE_ATTENTION_OPSET, attends_with_cache, attention_op
 from .drafts import DRAFTS_DIR, QUANT_TOLERANCES, DraftOptionError, \
     DraftOptions, build_draft, check_draft_layers, dequantized_weights, draft_options, \
     read_target_manifest, register_draft, with_draft_listed
@@ -66,24 +67,23 @@ STAGES = ("load", "build", "save", "validate", "checksums")
 # (min_attention_rows) instead of the runtime padding the whole call, and only block-min layers
 # run on flat rows; 8: block-min layers and the 8-bit head run on ortspec.Q4Gemm / Q8Gemm where
 # the package's kernels are built (kernel); 9: the window flavour on those kernels attends with
-# ortspec.CacheAttention, reading the cache in place
-EXPORTER_REVISION = 9
+# ortspec.CacheAttention, reading the cache in place; 10: so does the gqa flavour on those
+# kernels (opset 24), which no longer pads a lone query
+EXPORTER_REVISION = 10
 # the providers each graph flavour is built for (see runtime/providers.py): ORT's CUDA GQA
 # kernel is fp16/bf16 only and TensorRT does not import GQA; standard ONNX ops run anywhere
 GRAPH_PROVIDERS = {("gqa", "fp32"): "CPUExecutionProvider",
                    ("gqa", "fp16"): "CUDAExecutionProvider,CPUExecutionProvider",
                    ("standard", "fp32"): "any", ("standard", "fp16"): "any",
                    ("window", "fp32"): "CPUExecutionProvider"}
-# manifest extra.attention: the op that attends (revision 4 and earlier window exports: "Attention")
-ATTENTION_OPS = {"gqa": "GroupQueryAttention", "standard": "Attention", "window": "MatMul"}
-CACHE_ATTENTION_OP = "CacheAttention"  # ... of a window export on ortspec's kernels
 # Why a step and a verify row of a quantized graph can differ (runtime/row_invariance.py):
 # onnxruntime 1.32's CPU GroupQueryAttention computes a lone query row on another path than a
 # row among several (3e-8 apart); the int8 rounding of the next MatMulNBits' activations makes
 # that up to 0.7 logits on SmolLM2-135M. MatMulNBits itself (accuracy level 4) computes a row
 # alike at every M. So a quantized GQA graph pads a one-token call's attention to two query
 # rows itself (Manifest.min_attention_rows 2) and its MatMuls run the one row. Float graphs
-# differ by ~3e-5 and pad nothing (`ortspec check` reports their row invariance).
+# differ by ~3e-5 and pad nothing (`ortspec check` reports their row invariance). On ortspec's
+# kernels the gqa graph attends with ortspec.CacheAttention and pads nothing either.
 # rows of one batched call (Manifest.max_batch). onnxruntime 1.32's CPU GroupQueryAttention
 # refuses "batch_size > 1 when sequence_length > 1 and past context is given", so the batched
 # graph is the "window" flavour: two MatMuls per KV head over the first W cache slots (W the
@@ -108,10 +108,12 @@ def min_call_rows(*, attention: str, ops: Iterable[str] | None = None) -> int:
     return 2 if ops is None or not set(ops).isdisjoint(ROW_PATH_OPS) else 1
 
 
-def min_attention_rows(*, quant: str | None, attention: str) -> int:
-    """Manifest.min_attention_rows of an export: 2 for a quantized GQA graph (the graph pads a
-    lone query, GraphOptions.pad_lone_query); else 1."""
-    return 2 if quant is not None and attention == "gqa" else 1
+def min_attention_rows(*, quant: object | None, attention: str,
+                       cache_attention: bool = False) -> int:
+    """Manifest.min_attention_rows of an export: 2 for a quantized GQA graph attending with
+    GroupQueryAttention (the graph pads a lone query, GraphOptions.pad_lone_query); else 1 (with
+    `cache_attention`, ortspec.CacheAttention computes a lone query as any other)."""
+    return 2 if quant is not None and attention == "gqa" and not cache_attention else 1
 
 
 def resolve_kernel(kernel: str | None, *, quant: str | None, quant_scheme: str) -> str:
@@ -193,16 +195,20 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
     model) to the directory `out`; returns its path. Raises ExportError (ExportOptionError for a
     bad option) with nothing written.
 
-    attention: "gqa" (onnxruntime's GroupQueryAttention: the CPU graph, and CUDA in fp16) or
-    "standard" (ONNX opset-24 Attention/TensorScatter/RotaryEmbedding, for TensorRT).
-    opset: the ai.onnx opset; None picks the attention flavour's default (21 or 24).
+    attention: "gqa" (onnxruntime's GroupQueryAttention: the CPU graph, and CUDA in fp16; on
+    ortspec's kernels at opset 24, ortspec.CacheAttention), "standard" (ONNX opset-24
+    Attention/TensorScatter/RotaryEmbedding, for TensorRT) or "window" (the batched graph).
+    opset: the ai.onnx opset; None picks the attention flavour's default (21 or 24; 24 for a
+    gqa graph on ortspec's kernels, whose attention needs it: a lower opset keeps
+    GroupQueryAttention).
     quant: "int4" stores the target's linear weights as MatMulNBits (graph_spec.QUANTS: 4-bit
     blocks of 32, a GGUF's Q4_1 blocks exactly; the LM head and a tied embedding at 8 bits);
-    its graph pads a one-token call's attention to two query rows so that speculative decoding
-    stays token-for-token exact (`min_attention_rows`); the default directory name ends in
-    -int4. A draft exported with it is quantized too. With quant, lm_head ("int8", "int4" or
-    "fp32") is the LM head's precision (int8 also stores a tied embedding) and quant_scheme
-    ("block-min", "zero-point", "symmetric"; quantize.py) the linear weights' 4-bit scheme.
+    a graph attending with GroupQueryAttention pads a one-token call's attention to two query
+    rows so that speculative decoding stays token-for-token exact (`min_attention_rows`); the
+    default directory name ends in -int4. A draft exported with it is quantized too. With
+    quant, lm_head ("int8", "int4" or "fp32") is the LM head's precision (int8 also stores a
+    tied embedding) and quant_scheme ("block-min", "zero-point", "symmetric"; quantize.py) the
+    linear weights' 4-bit scheme.
     kernel: what runs block-min int4 products, "ortspec" (the package's ortspec.Q4Gemm
     onnxruntime custom op: the Q4_1 blocks as they are, an extra row of a call at 0.4-0.6x
     MatMulNBits' cost) or "onnxruntime" (MatMulNBits and a Gemm for the block minima); None
@@ -242,6 +248,7 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
     if not isinstance(with_shipped_head, bool):
         raise ExportOptionError(f"with_shipped_head must be True or False, got "
                                 f"{with_shipped_head!r}")
+    opset_given = opset
     if opset is None and attention in ATTENTIONS:
         opset = DEFAULT_OPSET[attention]
     if not isinstance(draft_only, bool):
@@ -255,6 +262,8 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
         capacity=capacity, max_verify_len=max_verify_len, dtype=dtype, opset=opset,
         attention=attention, quant=quant, lm_head=lm_head, quant_scheme=quant_scheme)
     kernel = resolve_kernel(kernel, quant=quant, quant_scheme=quant_scheme)
+    if opset_given is None and attention == "gqa" and quant is not None and kernel == "ortspec":
+        opset = CACHE_ATTENTION_OPSET  # attends with ortspec.CacheAttention (attends_with_cache)
     check_head_quant(draft_head_quant)
     if draft_head_quant is not None and draft_head is None:
         raise ExportOptionError("draft_head_quant applies to a draft_head")
@@ -377,10 +386,11 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
     stage("build")
     cos, sin = ckpt.rope_tables(capacity)
     layers = ckpt.spec.num_layers
-    attention_rows = min_attention_rows(quant=quant, attention=attention)
     options = GraphOptions(capacity=capacity, dtype=dtype, opset=opset, attention=attention,
-                           quant=quant, pad_lone_query=attention_rows > 1,
-                           hidden_state_layers=hidden_layers)
+                           quant=quant, hidden_state_layers=hidden_layers)
+    attention_rows = min_attention_rows(quant=quant, attention=attention,
+                                        cache_attention=attends_with_cache(options))
+    options = dataclasses.replace(options, pad_lone_query=attention_rows > 1)
     files = build_decoder(ckpt.spec, options,
                           ckpt.weight, cos, sin, graph_path=tmp / GRAPH_FILE,
                           data_path=tmp / DATA_FILE,
@@ -412,8 +422,7 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
         chat_template=getattr(ckpt.tokenizer, "chat_template", None) or None,
         bos_token_id=chat.bos_token_id(ckpt.tokenizer),
         extra={"exporter_revision": EXPORTER_REVISION,
-               "attention": CACHE_ATTENTION_OP if CACHE_ATTENTION_OP in files.op_types
-               else ATTENTION_OPS[attention],
+               "attention": attention_op(attention, files.op_types),
                "opset": opset, "model_type": getattr(ckpt.model.config, "model_type", None),
                "family": ckpt.spec.family,
                "tied_embeddings": ckpt.spec.tied_embeddings,
@@ -486,8 +495,8 @@ def _flavour_of(manifest: mf.Manifest) -> str | None:
     op = manifest.extra.get("attention")
     if op == ATTENTION_OPS["standard"]:
         return "window" if manifest.max_batch > 1 else "standard"
-    if op == CACHE_ATTENTION_OP:
-        return "window"
+    if op == mf.CACHE_ATTENTION_OP:  # both flavours attend with it on ortspec's kernels
+        return "window" if manifest.max_batch > 1 else "gqa"
     return {o: key for key, o in ATTENTION_OPS.items()}.get(op)
 
 

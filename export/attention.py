@@ -5,7 +5,9 @@ values into `present.{i}.*` at positions past..past+S-1, in place when the runti
 buffer as past and present.
 
 - "gqa" (the default, for the CPU and CUDA EPs): onnxruntime's fused `GroupQueryAttention`
-  contrib op, rotary embedding included; it attends over the valid length only.
+  contrib op, rotary embedding included; it attends over the valid length only. On ortspec's
+  kernels at opset 24 (the int4 default) the rotary and cache writes are "standard"'s and one
+  ortspec.CacheAttention node a layer attends, as in "window" (`attends_with_cache`).
 - "standard" (for TensorRT, which does not import GQA): ONNX opset-24 ops only.
   `RotaryEmbedding` with explicit positions, `TensorScatter` to write the new keys/values into
   the cache, and `Attention` over the whole cache with a boolean mask that hides positions
@@ -21,16 +23,17 @@ buffer as past and present.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 from onnx import TensorProto, numpy_helper
 
 from ortspec.runtime.ort import graph_io as gio
+from ortspec.runtime.ort.manifest import CACHE_ATTENTION_OP
 
 from .builder import GraphBuilder
-from .graph_spec import MS, NUMPY_DTYPES, ORTSPEC_DOMAIN
+from .graph_spec import MS, NUMPY_DTYPES, ORTSPEC_DOMAIN, GraphOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +50,10 @@ class Flavour:
 
 
 def _gqa_preamble(b: GraphBuilder) -> dict[str, str]:
-    """seqlens_k = row sum of the mask - 1 (int32 [1]); total_sequence_length = mask width.
+    """On ortspec's kernels (`attends_with_cache`): the rows' positions and the token rows, every
+    position of the call ([B * S], B = 1 here), for ortspec.CacheAttention. Else:
+
+    seqlens_k = row sum of the mask - 1 (int32 [1]); total_sequence_length = mask width.
 
     With GraphOptions.pad_lone_query, a call of S = 1 attends as a call of two tokens: both
     count one more ("extra" = max(2 - S, 0)), and "q_pads" pads the [B, S, qkv] input with a
@@ -56,6 +62,15 @@ def _gqa_preamble(b: GraphBuilder) -> dict[str, str]:
     apart in layer 0; through int8-rounded activations 0.5-0.7 logits at the LM head), while
     from two rows on a row's output is the same whatever S is."""
     g = b.g
+    if attends_with_cache(b.options):
+        ctx = _row_preamble(b, None)
+        count = g.op1("Size", [gio.INPUT_IDS])  # B * S
+        ctx["token_rows"] = g.op1("Range", [g.const("zero_i64", np.array(0, np.int64)), count,
+                                            g.const("one_i64", np.array(1, np.int64))])  # [B * S]
+        q_dim = b.spec.num_heads * b.spec.head_dim
+        ctx["attn_shape"] = g.op1("Concat", [g.op1("Shape", [gio.INPUT_IDS]), g.const(
+            f"width_{q_dim}", np.array([q_dim], np.int64))], axis=0)  # [3]: B, S, q_dim
+        return ctx
     axes = g.const("axes_1", np.array([1], np.int64))
     mask_sum = g.op1("ReduceSum", [gio.ATTENTION_MASK, axes], keepdims=0)  # int64 [1]
     width = g.op1("Shape", [gio.ATTENTION_MASK], start=1, end=2)  # int64 [1]
@@ -83,6 +98,10 @@ def _lone_query_extra(b: GraphBuilder, s: str) -> str:
 
 def _gqa_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) -> str:
     spec = b.spec
+    if attends_with_cache(b.options):  # [B * S, heads * hd] -> [B, S, heads * hd]
+        q, key, value = _rotate_and_store(b, i, qkv, ctx)
+        y = _cache_attention(b, i, q, key, value, ctx, rows=ctx["token_rows"])
+        return b.g.op1("Reshape", [y, ctx["attn_shape"]])
     if "q_pads" in ctx:  # [B, S', qkv]: a lone token twice (see _gqa_preamble)
         qkv = b.g.op1("Pad", [qkv, ctx["q_pads"]], mode="edge")
     inputs = [qkv, "", ""]  # packed q, k, v
@@ -138,7 +157,6 @@ def _row_preamble(b: GraphBuilder, slots: str | None, *, pad_lone_query: bool = 
     g = b.g
     axis0 = g.const("axes_0", np.array([0], np.int64))
     axis1 = g.const("axes_1", np.array([1], np.int64))
-    axis_last = g.const("axes_last", np.array([-1], np.int64))
     valid = g.op1("ReduceSum", [gio.ATTENTION_MASK, axis1], keepdims=0)  # [B]: past_r + S
     s = g.op1("Shape", [gio.INPUT_IDS], start=1, end=2)  # [1]: S
     past = g.op1("Sub", [valid, s])  # [B]
@@ -164,6 +182,7 @@ def _row_preamble(b: GraphBuilder, slots: str | None, *, pad_lone_query: bool = 
         ctx["q_pads"] = g.op1("Concat", [g.const("zeros_6", np.zeros(6, np.int64)), extra,
                                          zero_1d], axis=0)  # pads of [B, heads, S, hd]
         ctx["seq"] = s
+    axis_last = g.const("axes_last", np.array([-1], np.int64))
     mask = g.op1("LessOrEqual", [slots, g.op1("Unsqueeze", [queries, axis_last])])
     ctx["positions"] = queries  # [B, S'] (S' = S unless pad_lone_query)
     ctx["mask"] = g.op1("Unsqueeze", [mask, axis1])  # [B, 1, S', slots]
@@ -259,7 +278,7 @@ def _window_preamble(b: GraphBuilder) -> dict[str, str]:
     g, spec = b.g, b.spec
     grid_qkv_shape = g.op1("Concat", [g.op1("Shape", [gio.INPUT_IDS]), g.const(
         f"width_{spec.qkv_dim}", np.array([spec.qkv_dim], np.int64))], axis=0)  # [3]: B, S, qkv
-    if uses_cache_attention(b):
+    if attends_with_cache(b.options):
         return {**_row_preamble(b, None), "grid_qkv_shape": grid_qkv_shape}
     width = g.op1("Shape", [gio.ATTENTION_MASK], start=1, end=2)  # [1]: W
     zero = g.const("zero_i64", np.array(0, np.int64))
@@ -318,7 +337,7 @@ def _window_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) ->
     group = spec.query_group
     grid = g.op1("Reshape", [to_grid(b, qkv, spec.qkv_dim, ctx), ctx["grid_qkv_shape"]])
     q, key, value = _rotate_and_store(b, i, grid, ctx)
-    if uses_cache_attention(b):
+    if attends_with_cache(b.options):
         return _cache_attention(b, i, q, key, value, ctx)
     zero = g.const("axes_0_start", np.array([0], np.int64))
     axis2 = g.const("axes_2", np.array([2], np.int64))
@@ -346,14 +365,29 @@ def _window_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) ->
     return g.op1("Gather", [g.op1("Reshape", [y, flat]), gio.TOKEN_ROWS], axis=0)  # [M, q_dim]
 
 
-def uses_cache_attention(b: GraphBuilder) -> bool:
-    """Whether the window graph attends with ortspec.CacheAttention: an export whose products run
-    on ortspec's kernels (WeightQuant.kernel "ortspec"), which registers the same library."""
-    return b.options.quant is not None and b.options.quant.kernel == "ortspec"
+CACHE_ATTENTION_OPSET = 24  # RotaryEmbedding (23) and TensorScatter (24), which it needs
+# manifest extra.attention: the op that attends (revision 4 and earlier window exports: "Attention")
+ATTENTION_OPS = {"gqa": "GroupQueryAttention", "standard": "Attention", "window": "MatMul"}
+
+
+def attention_op(attention: str, op_types: Iterable[str]) -> str:
+    """Manifest extra.attention of a graph of flavour `attention` made of `op_types`:
+    ortspec.CacheAttention where it attends with it, else the flavour's op."""
+    return CACHE_ATTENTION_OP if CACHE_ATTENTION_OP in set(op_types) else ATTENTION_OPS[attention]
+
+
+def attends_with_cache(options: GraphOptions) -> bool:
+    """Whether a graph attends with ortspec.CacheAttention: a window or (at opset 24 and above)
+    gqa graph whose products run on ortspec's kernels (WeightQuant.kernel "ortspec"), which
+    registers the same library. Its rows compute alike at every call size: a gqa graph pads no
+    lone query (`min_attention_rows` 1)."""
+    return (options.quant is not None and options.quant.kernel == "ortspec"
+            and (options.attention == "window" or options.attention == "gqa"
+                 and options.opset >= CACHE_ATTENTION_OPSET))
 
 
 def _cache_attention(b: GraphBuilder, i: int, q: str, key: str, value: str,
-                     ctx: dict[str, str]) -> str:
+                     ctx: dict[str, str], *, rows: str = gio.TOKEN_ROWS) -> str:
     """ortspec.CacheAttention: each packed row's query heads over its own cache row, slots 0 to
     its position (or its sliding window), read in place: no slice of the cache, no mask, no
     padded query; [M, heads * hd]. Every query is computed alone in a fixed order, so a row's
@@ -364,7 +398,7 @@ def _cache_attention(b: GraphBuilder, i: int, q: str, key: str, value: str,
         attrs["softcap"] = float(spec.attn_softcap)
     if spec.window(i):
         attrs["local_window_size"] = int(spec.window(i))
-    return b.g.op1("CacheAttention", [q, key, value, ctx["position_ids"], gio.TOKEN_ROWS],
+    return b.g.op1("CacheAttention", [q, key, value, ctx["position_ids"], rows],
                    domain=ORTSPEC_DOMAIN, name=f"layers.{i}.attn", **attrs)
 
 

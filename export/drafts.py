@@ -50,6 +50,7 @@ from ortspec.runtime.check.tolerances import TOLERANCES, Bound, Tolerances
 from ortspec.runtime.errors import ExportError, ManifestError
 from ortspec.runtime.validation import check_int
 
+from .attention import attention_op
 from .errors import ExportOptionError
 from .graph_spec import QUANTS, DecoderSpec, GraphOptions, WeightQuant
 from .graphs import build_decoder
@@ -169,7 +170,7 @@ def build_draft(directory: Path, checkpoint, target: mf.Manifest, options: Draft
         min_call_rows=2 if attention == "window" else 1, min_attention_rows=1, row_probe=None,
         extra={"exporter_revision": target.extra.get("exporter_revision"),
                "draft": options.record(spec.num_layers),
-               "attention": target.extra.get("attention"), "opset": opset,
+               "attention": attention_op(attention, files.op_types), "opset": opset,
                "tied_embeddings": spec.tied_embeddings, "weight_bytes": files.weight_bytes,
                "quantized_weights": len(files.quantized),
                "float_linear_weights": list(files.float_linear)})

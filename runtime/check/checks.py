@@ -106,7 +106,8 @@ def check_row_invariance(model) -> CheckRow:
     figure = (f"{res.rows - res.differing}/{res.rows} rows bitwise equal, max |diff| "
               f"{res.max_abs:.2e}, {res.argmax_differing} argmax differ")
     if exact:
-        return CheckRow(f"row invariance (blocks {','.join(map(str, lengths))}, lone rows padded)",
+        why = "lone rows padded" if model.manifest.reserved_slots else "row-invariant kernels"
+        return CheckRow(f"row invariance (blocks {','.join(map(str, lengths))}, {why})",
                         figure, "bitwise equal", res.differing == 0)
     bound = TOLERANCES[model.manifest.dtype].step_vs_verify.at(res.scale)
     return CheckRow(f"row invariance (blocks {','.join(map(str, lengths))})", figure,

@@ -59,6 +59,8 @@ DTYPES = ("fp32", "fp16")
 ENTRY_POINTS = ("step", "verify")
 MAX_MIN_CALL_ROWS = 2
 MAX_BATCH = 256  # the most rows a manifest may declare for one batched call
+# extra["attention"] of an export attending with the package's ortspec.CacheAttention kernel
+CACHE_ATTENTION_OP = "CacheAttention"
 MAX_HIDDEN_STATE_LAYERS = 8  # the most layer ids `hidden_state_layers` may list (EAGLE-3: 3)
 
 
@@ -171,8 +173,10 @@ class Manifest:
 
     @property
     def rows_exact(self) -> bool:
-        """Whether a verify row must equal its step bit for bit (a graph that pads lone rows)."""
-        return self.reserved_slots > 0
+        """Whether a verify row must equal its step bit for bit: a graph that pads lone rows, or
+        one attending with ortspec.CacheAttention, whose kernels compute a row alike at every
+        call size (export/attention.py)."""
+        return self.reserved_slots > 0 or self.extra.get("attention") == CACHE_ATTENTION_OP
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)

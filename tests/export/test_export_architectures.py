@@ -262,15 +262,26 @@ def test_family_exports_and_matches_transformers(name, sources, exports):
     assert check_main(["--model", str(out), "--draws", "2000"]) == 0
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
-def test_family_int4_export_is_exact_under_speculation(name, sources, tmp_path):
+@pytest.mark.parametrize("name, opset", [(name, None) for name in FAMILIES]
+                         + [("llama-mha", 21), ("gemma2", 21)])
+def test_family_int4_export_is_exact_under_speculation(name, opset, sources, tmp_path):
     """--quant int4 on every row: validated against PyTorch on the dequantized weights (inside
-    the export), every verify row bitwise its step, greedy identity, `ortspec check`."""
+    the export), every verify row bitwise its step, greedy identity, `ortspec check`. On
+    ortspec's kernels the graph attends with ortspec.CacheAttention and pads no lone query;
+    at opset 21 (and without the kernels) with GroupQueryAttention, padding it."""
     out = export_model(sources(name), out=tmp_path / "int4", capacity=CAP, max_verify_len=VERIFY,
-                       progress=False, quant="int4")
+                       progress=False, quant="int4", opset=opset)
     m = mf.read_manifest(out)
     v = m.extra["validation"]
-    assert (m.min_call_rows, m.min_attention_rows) == (1, 2) and v["step_vs_verify"] == 0.0
+    cache = kernels.available() and opset is None
+    ops = [n.op_type for n in onnx.load(str(out / m.entry_points["verify"].graph),
+                                        load_external_data=False).graph.node]
+    assert ops.count("CacheAttention" if cache else "GroupQueryAttention") == \
+        m.architecture.num_layers
+    assert m.extra["attention"] == ("CacheAttention" if cache else "GroupQueryAttention")
+    assert m.extra["opset"] == (opset or (24 if cache else 21))
+    assert (m.min_call_rows, m.min_attention_rows) == (1, 1 if cache else 2)
+    assert (m.row_probe is None) == cache and v["step_vs_verify"] == 0.0
     assert v["verify_vs_pytorch"] <= v["bound_vs_pytorch"]
     rows = row_differences(OrtDecoder(out), _prompt()[:20], _prompt()[20:20 + VERIFY + 1],
                            block_lengths=range(1, VERIFY + 1), offsets=(0, 1))

@@ -41,19 +41,26 @@ def sources(tmp_path_factory):
 
 
 # each family with one of the kernels of the block-min layers (the default picks "ortspec"
-# where the package's library is built, as it is on every machine the suite runs on)
-@pytest.fixture(scope="module", params=[("llama", None), ("qwen2", "onnxruntime")],
-                ids=["llama-default-kernel", "qwen2-onnxruntime-kernel"])
+# where the package's library is built, as it is on every machine the suite runs on, and then
+# attends with ortspec.CacheAttention; at opset 21 it keeps GroupQueryAttention)
+@pytest.fixture(scope="module", params=[("llama", None, None), ("llama", None, 21),
+                                        ("qwen2", "onnxruntime", None)],
+                ids=["llama-default", "llama-default-kernel-opset21",
+                     "qwen2-onnxruntime-kernel"])
 def int4_dir(request, sources, tmp_path_factory):
-    family, kernel = request.param
+    family, kernel, opset = request.param
     out = tmp_path_factory.mktemp("out") / f"{family}-int4"
     export_model(sources[family], out=out, capacity=CAP, max_verify_len=VERIFY,
-                 progress=False, quant="int4", kernel=kernel)
+                 progress=False, quant="int4", kernel=kernel, opset=opset)
     return out
 
 
 def _kernel(directory) -> str:
     return mf.read_manifest(directory).extra["weights"]["kernel"]
+
+
+def _cache_attention(directory) -> bool:
+    return mf.read_manifest(directory).extra["attention"] == "CacheAttention"
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -103,7 +110,10 @@ def test_matmul_nbits_rows_do_not_depend_on_the_row_count(bits, accuracy_level):
 
 def test_int4_export_records_its_weights_and_validates_rows_exactly(int4_dir):
     m = mf.read_manifest(int4_dir)
-    assert (m.min_call_rows, m.min_attention_rows, m.dtype) == (1, 2, "fp32")
+    cache = _cache_attention(int4_dir)  # ortspec's kernels at opset 24, the default there
+    assert cache == (_kernel(int4_dir) == "ortspec" and m.extra["opset"] == 24)
+    assert (m.min_call_rows, m.min_attention_rows, m.dtype) == (1, 1 if cache else 2, "fp32")
+    assert (m.row_probe is None) == cache  # no lone query padded: nothing to probe
     w = m.extra["weights"]
     assert (w["format"], w["bits"], w["block_size"], w["scheme"], w["lm_head_bits"]) == \
         ("MatMulNBits", 4, 32, "block-min", 8)
@@ -120,7 +130,8 @@ def test_int4_export_records_its_weights_and_validates_rows_exactly(int4_dir):
     v = m.extra["validation"]
     assert v["step_vs_verify"] == 0.0 and v["bound_step_vs_verify"] == 0.0
     assert v["verify_vs_pytorch"] <= v["bound_vs_pytorch"]
-    assert _op_count(int4_dir, "GroupQueryAttention") == m.architecture.num_layers
+    attends = "CacheAttention" if cache else "GroupQueryAttention"
+    assert _op_count(int4_dir, attends) == m.architecture.num_layers
     assert not (int4_dir / "drafts").exists()  # no draft unless asked for
 
 
@@ -143,16 +154,17 @@ def test_every_verify_row_equals_its_step_bitwise_and_unpadded_attention_would_n
     res = row_differences(OrtDecoder(int4_dir), prompt, cont, block_lengths=lengths,
                           offsets=(0, 1, 2))
     assert res.rows == 3 * sum(lengths) and res.differing == 0 and res.max_abs == 0.0
-    # the same export with a lone query attended alone: its steps no longer equal its verify
-    # rows, which the export's own validation refuses, so the test above would catch a graph
-    # that stopped padding
+    # the same export attending with GroupQueryAttention (opset 21) and a lone query attended
+    # alone: its steps no longer equal its verify rows, which the export's own validation
+    # refuses, so the test above would catch a graph that stopped padding
     from ortspec.export import api
     from ortspec.runtime.errors import ExportError
 
     monkeypatch.setattr(api, "min_attention_rows", lambda **kw: 1)
     with pytest.raises(ExportError, match="verify and step logits differ"):
         export_model(sources[int4_dir.name.split("-")[0]], out=tmp_path / "unpadded",
-                     capacity=CAP, max_verify_len=VERIFY, progress=False, quant="int4")
+                     capacity=CAP, max_verify_len=VERIFY, progress=False, quant="int4",
+                     kernel=_kernel(int4_dir), opset=21)
     assert not (tmp_path / "unpadded").exists()
 
 
@@ -184,6 +196,8 @@ def test_the_row_probe_decides_whether_calls_run_two_rows(int4_dir, tmp_path, mo
     probe at accuracy level 1, whose one-row path differs everywhere). Both keep every verify
     row bitwise its step."""
     m = mf.read_manifest(int4_dir)
+    if _cache_attention(int4_dir):
+        pytest.skip("ortspec.CacheAttention pads no lone query: the export has no row probe")
     assert m.row_probe == "row_probe.onnx" and m.row_probe in m.files
     probe = onnx.load(str(int4_dir / m.row_probe)).graph
     kinds = {(n.op_type, dict((a.name, a.i) for a in n.attribute).get("bits")) for n in probe.node}
@@ -272,12 +286,13 @@ def test_a_bad_row_minimum_is_refused_naming_the_field(int4_dir, field, value):
         mf.parse_manifest(data)
 
 
-def test_the_attention_padding_row_costs_one_token_of_capacity(int4_dir):
+def test_a_padded_lone_query_costs_one_token_of_capacity_and_no_padding_none(int4_dir):
+    padded = not _cache_attention(int4_dir)  # GroupQueryAttention pads a lone query
     dec = OrtDecoder(int4_dir)
-    assert dec.capacity == CAP - 1
-    dec.prefill(_ids(CAP - 2, 3))
-    dec.forward_token(7)  # the last position: two rows still fit in the buffers
-    assert dec.length == CAP - 1
+    assert dec.capacity == CAP - padded
+    dec.prefill(_ids(dec.capacity - 1, 3))
+    dec.forward_token(7)  # the last position: with padding, two rows still fit in the buffers
+    assert dec.length == dec.capacity
     with pytest.raises(CapacityError):
         dec.forward_token(7)
 
@@ -328,7 +343,7 @@ def test_cli_exports_an_int4_target(sources, tmp_path, capsys):
                             "--capacity", str(CAP), "--max-verify-len", str(VERIFY),
                             "--quiet"]) == 0
     assert capsys.readouterr().out.strip() == str(out.absolute())
-    assert mf.read_manifest(out).min_attention_rows == 2
+    assert mf.read_manifest(out).min_attention_rows == (1 if kernels.available() else 2)
     assert export_cli.main([str(sources["llama"]), "--out", str(tmp_path / "x"),
                             "--lm-head", "int4", "--quiet"]) == 2
 

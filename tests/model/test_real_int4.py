@@ -18,6 +18,7 @@ from ortspec.runtime.bench.workload import default_questions_path, interleave_ca
 from ortspec.runtime import PromptLookupSpeculator, SpeculativeOptions, plain_decode, \
     speculative_decode_with
 from ortspec.runtime.load import load_model
+from ortspec.runtime.ort import kernels
 from ortspec.runtime.ort.row_invariance import row_differences
 
 pytestmark = pytest.mark.slow
@@ -29,11 +30,19 @@ def model(int4_model_dir):
     return load_model(int4_model_dir)
 
 
-def test_the_int4_export_pads_a_lone_query_and_carries_its_row_probe(model):
+def test_the_int4_export_runs_a_lone_token_as_it_is_or_pads_it_where_it_must(model):
+    """On ortspec's kernels the default export attends with ortspec.CacheAttention: a step is
+    one row, as a verify row is. Without them it attends with GroupQueryAttention, pads a lone
+    query and carries the row probe that decides whether its products may run one row."""
     m = model.manifest
-    assert (m.min_attention_rows, m.row_probe) == (2, "row_probe.onnx")
-    assert model.decoder.min_call_rows in (1, 2)  # 2 where the probe finds a one-row path
-    assert model.decoder.capacity == m.capacity - 1
+    if kernels.available():
+        assert m.extra["attention"] == "CacheAttention"
+        assert (m.min_attention_rows, m.row_probe, model.decoder.min_call_rows) == (1, None, 1)
+        assert model.decoder.capacity == m.capacity
+    else:
+        assert (m.min_attention_rows, m.row_probe) == (2, "row_probe.onnx")
+        assert model.decoder.min_call_rows in (1, 2)  # 2 where the probe finds a one-row path
+        assert model.decoder.capacity == m.capacity - 1
 
 
 def test_every_verify_row_equals_its_step_on_a_real_prompt(model):
