@@ -348,3 +348,15 @@ def test_cli_exports_an_int4_target(sources, tmp_path, capsys):
                             "--lm-head", "int4", "--quiet"]) == 2
 
     assert "without quant" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not kernels.available(), reason="ortspec's kernel library is not built")
+def test_a_draft_names_the_attention_op_of_its_own_graph(sources, tmp_path):
+    """The target attends with ortspec.CacheAttention; its int4 draft runs MatMulNBits (kernel
+    "onnxruntime") and so GroupQueryAttention, and each manifest names its own graph's op."""
+    out = export_model(sources["llama"], out=tmp_path / "m", capacity=CAP, max_verify_len=VERIFY,
+                       progress=False, quant="int4", draft_layers=1)
+    draft = out / "drafts" / "layers1-int4"  # a quantized target's draft is quantized too
+    for directory, op in ((out, "CacheAttention"), (draft, "GroupQueryAttention")):
+        assert mf.read_manifest(directory).extra["attention"] == op
+        assert _op_count(directory, op) > 0
