@@ -99,8 +99,7 @@ def _lone_query_extra(b: GraphBuilder, s: str) -> str:
 def _gqa_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) -> str:
     spec = b.spec
     if attends_with_cache(b.options):  # [B * S, heads * hd] -> [B, S, heads * hd]
-        q, key, value = _rotate_and_store(b, i, qkv, ctx)
-        y = _cache_attention(b, i, q, key, value, ctx, rows=ctx["token_rows"])
+        y = _attend_cache(b, i, qkv, ctx, rows=ctx["token_rows"])
         return b.g.op1("Reshape", [y, ctx["attn_shape"]])
     if "q_pads" in ctx:  # [B, S', qkv]: a lone token twice (see _gqa_preamble)
         qkv = b.g.op1("Pad", [qkv, ctx["q_pads"]], mode="edge")
@@ -336,9 +335,9 @@ def _window_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) ->
     q_dim, hd, kv = spec.num_heads * spec.head_dim, spec.head_dim, spec.num_kv_heads
     group = spec.query_group
     grid = g.op1("Reshape", [to_grid(b, qkv, spec.qkv_dim, ctx), ctx["grid_qkv_shape"]])
-    q, key, value = _rotate_and_store(b, i, grid, ctx)
     if attends_with_cache(b.options):
-        return _cache_attention(b, i, q, key, value, ctx)
+        return _attend_cache(b, i, grid, ctx, rows=gio.TOKEN_ROWS)
+    q, key, value = _rotate_and_store(b, i, grid, ctx)
     zero = g.const("axes_0_start", np.array([0], np.int64))
     axis2 = g.const("axes_2", np.array([2], np.int64))
     key_w = g.op1("Slice", [key, zero, ctx["width"], axis2])  # [B, kv_heads, W, hd]
@@ -368,12 +367,15 @@ def _window_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) ->
 CACHE_ATTENTION_OPSET = 24  # RotaryEmbedding (23) and TensorScatter (24), which it needs
 # manifest extra.attention: the op that attends (revision 4 and earlier window exports: "Attention")
 ATTENTION_OPS = {"gqa": "GroupQueryAttention", "standard": "Attention", "window": "MatMul"}
+# ortspec.CacheAttention with the rotary and the cache writes inside (`_attend_cache`)
+ROTARY_CACHE_ATTENTION_OP = "RotaryCacheAttention"
 
 
 def attention_op(attention: str, op_types: Iterable[str]) -> str:
     """Manifest extra.attention of a graph of flavour `attention` made of `op_types`:
     ortspec.CacheAttention where it attends with it, else the flavour's op."""
-    return CACHE_ATTENTION_OP if CACHE_ATTENTION_OP in set(op_types) else ATTENTION_OPS[attention]
+    cache = {CACHE_ATTENTION_OP, ROTARY_CACHE_ATTENTION_OP}
+    return CACHE_ATTENTION_OP if not cache.isdisjoint(op_types) else ATTENTION_OPS[attention]
 
 
 def attends_with_cache(options: GraphOptions) -> bool:
@@ -386,20 +388,45 @@ def attends_with_cache(options: GraphOptions) -> bool:
                  and options.opset >= CACHE_ATTENTION_OPSET))
 
 
-def _cache_attention(b: GraphBuilder, i: int, q: str, key: str, value: str,
-                     ctx: dict[str, str], *, rows: str = gio.TOKEN_ROWS) -> str:
-    """ortspec.CacheAttention: each packed row's query heads over its own cache row, slots 0 to
-    its position (or its sliding window), read in place: no slice of the cache, no mask, no
-    padded query; [M, heads * hd]. Every query is computed alone in a fixed order, so a row's
-    output is the same whatever the call holds."""
+def _attend_cache(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str], *, rows: str) -> str:
+    """Layer i's attention on ortspec's kernels from its packed q, k, v [B, S, qkv] (before the
+    rotary), the outputs of the token rows `rows`: [M, heads * hd]. A layer that rotates and
+    has no q/k norms runs one ortspec.RotaryCacheAttention node (the rotary, the cache writes
+    and the attention, with no split, transpose or scatter between them); else the standard
+    nodes rotate and store, and ortspec.CacheAttention attends."""
+    spec = b.spec
+    if spec.uses_rope(i) and not spec.qk_norm:
+        attrs = _cache_attention_attrs(b, i)
+        attrs["rotary_dim"] = int(spec.rotary_dims)
+        y, _, _ = b.g.op(
+            ROTARY_CACHE_ATTENTION_OP,
+            [qkv, gio.past_key_name(i), gio.past_value_name(i), ctx["position_ids"], rows,
+             *spec.rope_tables(i)], 3, domain=ORTSPEC_DOMAIN, name=f"layers.{i}.attn",
+            outputs=[f"layers.{i}.attn/out0", gio.present_key_name(i),
+                     gio.present_value_name(i)], **attrs)
+        return y
+    q, key, value = _rotate_and_store(b, i, qkv, ctx)
+    return _cache_attention(b, i, q, key, value, ctx, rows=rows)
+
+
+def _cache_attention_attrs(b: GraphBuilder, i: int) -> dict[str, Any]:
     spec = b.spec
     attrs: dict[str, Any] = {"num_heads": spec.num_heads, "scale": float(spec.attention_scale)}
     if spec.attn_softcap:
         attrs["softcap"] = float(spec.attn_softcap)
     if spec.window(i):
         attrs["local_window_size"] = int(spec.window(i))
+    return attrs
+
+
+def _cache_attention(b: GraphBuilder, i: int, q: str, key: str, value: str,
+                     ctx: dict[str, str], *, rows: str = gio.TOKEN_ROWS) -> str:
+    """ortspec.CacheAttention: each packed row's query heads over its own cache row, slots 0 to
+    its position (or its sliding window), read in place: no slice of the cache, no mask, no
+    padded query; [M, heads * hd]. Every query is computed alone in a fixed order, so a row's
+    output is the same whatever the call holds."""
     return b.g.op1("CacheAttention", [q, key, value, ctx["position_ids"], rows],
-                   domain=ORTSPEC_DOMAIN, name=f"layers.{i}.attn", **attrs)
+                   domain=ORTSPEC_DOMAIN, name=f"layers.{i}.attn", **_cache_attention_attrs(b, i))
 
 
 def _mask_rows(b: GraphBuilder, mask: str, width: str) -> str:

@@ -11,6 +11,9 @@
  *   CacheAttention(q, key, value, positions, token_rows) -> y
  *                             the attention of the queries token_rows names over their own
  *                             rows of the KV cache, read in place (attention_simd.h).
+ *   RotaryCacheAttention(qkv, key, value, positions, token_rows, cos, sin) -> y, key, value
+ *                             the same from packed q, k and v, with the rotary embedding and
+ *                             the cache writes inside (no split, transpose or scatter nodes).
  *
  * Q4Gemm and Q8Gemm: attributes K and N; x float [..., K], y float [..., N]. x is rounded to int8 per row and block
  * of 32, as MatMulNBits does at accuracy level 4; each block's integer dot product is exact and
@@ -288,6 +291,28 @@ typedef struct {
 static __thread float *attn_scratch;  /* the scores of one query */
 static __thread size_t attn_scratch_size;
 
+/* *buf holds at least `need` bytes (grown as needed); 0 where memory ran out */
+static int grown(float **buf, size_t *size, size_t need) {
+    if (need > *size) {
+        free(*buf);
+        *buf = malloc(need);
+        *size = *buf ? need : 0;
+    }
+    return *buf != NULL;
+}
+
+/* y [G, hd]: the group's queries q [G, hd] at position p over their KV head's cache rows k, v
+ * [cap, hd], slots from the sliding window's start (or 0) to p */
+static void attend_to(const Attention *op, const float *q, int64_t group, const float *k,
+                      const float *v, int64_t hd, int64_t p, float *y) {
+#ifdef ORTSPEC_X86
+    int64_t lo = op->window > 0 && p - op->window + 1 > 0 ? p - op->window + 1 : 0;
+    attend(q, group, k, v, hd, lo, p, op->scale, op->softcap, attn_scratch, y);
+#else
+    (void)op; (void)q; (void)group; (void)k; (void)v; (void)hd; (void)p; (void)y;
+#endif
+}
+
 /* task i: token row i / kv, the query heads of KV head i % kv */
 static void attention_task(void *data, size_t i) {
     AttentionJob *job = data;
@@ -296,22 +321,14 @@ static void attention_task(void *data, size_t i) {
     float *y = job->y + m * width + h * group * hd;
     int64_t flat = job->rows[m], p = -1;
     if (flat >= 0 && flat < job->b * job->s) p = job->positions[flat];
-    size_t need = sizeof(float) * (size_t)(group * (p + 9));
-    if (p >= 0 && p < job->cap && need > attn_scratch_size) {
-        free(attn_scratch);
-        attn_scratch = malloc(need);
-        attn_scratch_size = attn_scratch ? need : 0;
-    }
-    if (p < 0 || p >= job->cap || !attn_scratch) {
+    if (p < 0 || p >= job->cap ||
+        !grown(&attn_scratch, &attn_scratch_size, sizeof(float) * (size_t)(group * (p + 9)))) {
         for (int64_t j = 0; j < group * hd; j++) y[j] = __builtin_nanf("");
         return;
     }
-#ifdef ORTSPEC_X86
-    int64_t lo = job->op->window > 0 && p - job->op->window + 1 > 0 ? p - job->op->window + 1 : 0;
     int64_t at = ((flat / job->s) * kv + h) * job->cap * hd;
-    attend(job->q + flat * width + h * group * hd, group, job->k + at, job->v + at, hd, lo, p,
-           job->op->scale, job->op->softcap, attn_scratch, y);
-#endif
+    attend_to(job->op, job->q + flat * width + h * group * hd, group, job->k + at, job->v + at,
+              hd, p, y);
 }
 
 static void attention_compute(void *state, void *context) {
@@ -364,6 +381,148 @@ static size_t attention_inputs(const void *op) { (void)op; return 5; }
 static CustomOp attention_op = CUSTOM_OP(create_attention, attention_name, attention_input_type,
                                          attention_inputs, attention_compute, free);
 
+/* ---- RotaryCacheAttention ------------------------------------------------------------------ */
+
+/* CacheAttention with the layer's rotary embedding and cache writes inside it. Inputs: qkv float
+ * [B, S, (heads + 2 kv) * hd], each position's q, k and v packed (before the rotary); key, value
+ * float [>= B, kv, cap, hd], the cache before this call; positions int64 [B, S]; token_rows int64
+ * [M]; cos, sin float [P, rotary_dim / 2], the rotary tables by position. Outputs: y float
+ * [M, heads * hd]; present key and value, the cache with every position's rotated key and value
+ * at its position of its row (written in place where the runtime binds the same buffer as input
+ * and output; else the cache is copied first). Attributes: CacheAttention's, and rotary_dim
+ * (the leading dims of each head that rotate, in halves: x_i, x_{i + r/2}). Positions out of
+ * range, or shapes that do not fit, give NaN rows and write nothing. */
+typedef struct {
+    Attention base;
+    int64_t rotary;
+} RotaryAttention;
+
+typedef struct {
+    const RotaryAttention *op;
+    const float *qkv, *cos, *sin;
+    const float *k, *v;  /* the present cache */
+    const int64_t *positions, *rows;
+    float *y;
+    int64_t b, s, kv, cap, hd, width, tables;
+} RotaryJob;
+
+static __thread float *rotary_scratch;  /* a group's rotated queries */
+static __thread size_t rotary_scratch_size;
+
+/* out [hd] = x [hd] with its first r dims rotated to position p (r even, p < the tables' rows) */
+static void rotate(const float *x, const float *cos, const float *sin, int64_t r, int64_t hd,
+                   int64_t p, float *out) {
+    int64_t half = r / 2;
+    const float *c = cos + p * half, *sn = sin + p * half;
+    for (int64_t i = 0; i < half; i++) {
+        float x1 = x[i], x2 = x[i + half];
+        out[i] = x1 * c[i] - x2 * sn[i];
+        out[i + half] = x2 * c[i] + x1 * sn[i];
+    }
+    for (int64_t i = r; i < hd; i++) out[i] = x[i];
+}
+
+/* task i: token row i / kv, the query heads of KV head i % kv, rotated into scratch first */
+static void rotary_task(void *data, size_t i) {
+    RotaryJob *job = data;
+    int64_t kv = job->kv, hd = job->hd, heads = job->op->base.heads, group = heads / kv;
+    int64_t m = (int64_t)i / kv, h = (int64_t)i % kv;
+    float *y = job->y + m * heads * hd + h * group * hd;
+    int64_t flat = job->rows[m], p = -1;
+    if (flat >= 0 && flat < job->b * job->s) p = job->positions[flat];
+    if (p < 0 || p >= job->cap || p >= job->tables ||
+        !grown(&attn_scratch, &attn_scratch_size, sizeof(float) * (size_t)(group * (p + 9))) ||
+        !grown(&rotary_scratch, &rotary_scratch_size, sizeof(float) * (size_t)(group * hd))) {
+        for (int64_t j = 0; j < group * hd; j++) y[j] = __builtin_nanf("");
+        return;
+    }
+    const float *q = job->qkv + flat * job->width + h * group * hd;
+    for (int64_t g = 0; g < group; g++)
+        rotate(q + g * hd, job->cos, job->sin, job->op->rotary, hd, p, rotary_scratch + g * hd);
+    int64_t at = ((flat / job->s) * kv + h) * job->cap * hd;
+    attend_to(&job->op->base, rotary_scratch, group, job->k + at, job->v + at, hd, p, y);
+}
+
+static void rotary_compute(void *state, void *context) {
+    const RotaryAttention *op = state;
+    int64_t xd[8], kd[8], vd[8], pd[8], rd[8], cd[8], sd[8];
+    size_t xr = 0, kr = 0, vr = 0, pr = 0, rr = 0, cr = 0, sr = 0;
+    const float *qkv = input_of(context, 0, xd, &xr), *k = input_of(context, 1, kd, &kr);
+    const float *v = input_of(context, 2, vd, &vr);
+    const int64_t *positions = input_of(context, 3, pd, &pr), *rows = input_of(context, 4, rd, &rr);
+    const float *cos = input_of(context, 5, cd, &cr), *sin = input_of(context, 6, sd, &sr);
+    if (xr != 3 || rr != 1 || kr != 4 || vr != 4) return;  /* onnxruntime reports the output */
+    int64_t heads = op->base.heads, kv = kd[1], hd = kd[3];
+    int64_t out[2] = {rd[0], heads * hd};
+    void *y_value, *k_value, *v_value;
+    if (failed(FN(API_KernelContext_GetOutput, get_output_t)(context, 0, out, 2, &y_value)) ||
+        failed(FN(API_KernelContext_GetOutput, get_output_t)(context, 1, kd, 4, &k_value)) ||
+        failed(FN(API_KernelContext_GetOutput, get_output_t)(context, 2, vd, 4, &v_value)))
+        return;
+    float *y = data_of(y_value), *kc = data_of(k_value), *vc = data_of(v_value);
+    if (!kc || !vc) return;
+    size_t cache = sizeof(float) * (size_t)(kd[0] * kd[1] * kd[2] * kd[3]);
+    if (k && kc != k) memcpy(kc, k, cache);  /* not bound in place: the cache first */
+    if (v && vc != v) memcpy(vc, v, cache);
+    int bad = !qkv || !k || !v || !positions || !rows || !cos || !sin || pr != 2 || cr != 2 ||
+              sr != 2 || kv <= 0 || heads % kv || xd[2] != (heads + 2 * kv) * hd ||
+              kd[0] < xd[0] || memcmp(kd, vd, sizeof(int64_t) * 4) || pd[0] != xd[0] ||
+              pd[1] != xd[1] || op->rotary > hd || cd[1] * 2 != op->rotary ||
+              memcmp(cd, sd, sizeof(int64_t) * 2);
+    for (int64_t f = 0; !bad && f < xd[0] * xd[1]; f++)
+        bad = positions[f] < 0 || positions[f] >= kd[2] || positions[f] >= cd[0];
+    if (bad) {  /* shapes or positions that do not fit: NaN rows, nothing written */
+        for (int64_t i = 0; y && i < out[0] * out[1]; i++) y[i] = __builtin_nanf("");
+        return;
+    }
+    int64_t width = xd[2], cap = kd[2];
+    for (int64_t f = 0; f < xd[0] * xd[1]; f++) {  /* every position's key and value, stored */
+        int64_t row = f / xd[1], p = positions[f];
+        const float *x = qkv + f * width + heads * hd;
+        for (int64_t h = 0; h < kv; h++) {
+            int64_t at = ((row * kv + h) * cap + p) * hd;
+            rotate(x + h * hd, cos, sin, op->rotary, hd, p, kc + at);
+            memcpy(vc + at, x + (kv + h) * hd, sizeof(float) * (size_t)hd);
+        }
+    }
+    if (!y || rd[0] == 0) return;
+    RotaryJob job = {op, qkv, cos, sin, kc, vc, positions, rows, y, xd[0], xd[1], kv, cap, hd,
+                     width, cd[0]};
+    size_t tasks = (size_t)(rd[0] * kv);
+    if (tasks <= 1 || failed(FN(API_KernelContext_ParallelFor, parallel_for_t)(
+                                  context, rotary_task, tasks, 0, &job)))
+        for (size_t i = 0; i < tasks; i++) rotary_task(&job, i);
+}
+
+static void *create_rotary(const void *unused_op, const void *unused, const void *info) {
+    RotaryAttention *op = calloc(1, sizeof(RotaryAttention));
+    if (!op) return NULL;
+    Attention *base = create_attention(unused_op, unused, info);
+    if (!base || failed(FN(API_KernelInfoGetAttribute_int64, attr_int_t)(info, "rotary_dim",
+                                                                         &op->rotary)) ||
+        op->rotary <= 0 || op->rotary % 2) {
+        free(base);
+        free(op);
+        return NULL;
+    }
+    op->base = *base;
+    free(base);
+    return op;
+}
+
+static const char *rotary_name(const void *op) { (void)op; return "RotaryCacheAttention"; }
+static int rotary_input_type(const void *op, size_t i) {
+    (void)op;
+    return i == 3 || i == 4 ? ELEM_INT64 : ELEM_FLOAT;
+}
+static size_t rotary_inputs(const void *op) { (void)op; return 7; }
+static size_t three_outputs(const void *op) { (void)op; return 3; }
+static CustomOp rotary_op = {API_VERSION, create_rotary, rotary_name, cpu, rotary_input_type,
+                             rotary_inputs, output_type, three_outputs, rotary_compute, free,
+                             required, required, default_memory, one, one, one, one, NULL, NULL,
+                             NULL, first_version, last_version, no_pairs, release_pairs,
+                             no_pairs, release_pairs, {0}};
+
 /* the entry point of SessionOptions.register_custom_ops_library */
 OrtStatus *RegisterCustomOps(void *options, const OrtApiBase *base) {
     const void *table = base->GetApi(API_VERSION);
@@ -379,7 +538,8 @@ OrtStatus *RegisterCustomOps(void *options, const OrtApiBase *base) {
     if ((status = FN(API_CreateCustomOpDomain, create_domain_t)("ortspec", &domain)) ||
         (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &q4_op)) ||
         (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &q8_op)) ||
-        (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &attention_op)))
+        (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &attention_op)) ||
+        (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &rotary_op)))
         return status;
     return FN(API_AddCustomOpDomain, add_domain_t)(options, domain);
 }

@@ -1,6 +1,7 @@
 """ortspec's own onnxruntime kernels (runtime/ort/_q4kernel.c): the custom ops `ortspec.Q4Gemm`
-and `ortspec.Q8Gemm` (the int4 layers and the 8-bit head) and `ortspec.CacheAttention` (the
-batched graph's attention over the KV cache, read in place).
+and `ortspec.Q8Gemm` (the int4 layers and the 8-bit head), `ortspec.CacheAttention` (the
+attention over the KV cache, read in place) and `ortspec.RotaryCacheAttention` (the same with
+the rotary embedding and the cache writes inside).
 
 pip builds the C file as an extension module of this package; onnxruntime loads it with
 `SessionOptions.register_custom_ops_library`, and `_new_session` (sessions.py) does that for

@@ -123,3 +123,113 @@ def test_positions_rows_or_shapes_out_of_range_give_nan_rows(tmp_path):
     got = sess.run(None, {"q": q[..., :500].copy(), "k": k, "v": v, "pos": pos,
                           "rows": np.array([0, 1], np.int64)})[0]
     assert got.shape == (2, 500) and np.isnan(got).all()
+
+
+# -- ortspec.RotaryCacheAttention: the rotary and the cache writes inside the attention --------
+
+
+def _rotary_session(heads: int, rotary_dim: int, window: int, path):
+    attrs = {"num_heads": heads, "scale": 0.125, "rotary_dim": rotary_dim}
+    if window:
+        attrs["local_window_size"] = window
+    node = helper.make_node("RotaryCacheAttention",
+                            ["qkv", "past_k", "past_v", "pos", "rows", "cos", "sin"],
+                            ["y", "present_k", "present_v"], domain="ortspec", **attrs)
+    f, i64 = TensorProto.FLOAT, TensorProto.INT64
+    graph = helper.make_graph([node], "rotary_attention", [
+        helper.make_tensor_value_info(name, kind, None)
+        for name, kind in (("qkv", f), ("past_k", f), ("past_v", f), ("pos", i64),
+                           ("rows", i64), ("cos", f), ("sin", f))],
+        [helper.make_tensor_value_info(name, f, None) for name in ("y", "present_k",
+                                                                     "present_v")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid("ortspec", 1)])
+    path.write_bytes(model.SerializeToString())
+    return open_session(str(path), session_options(threads=2), ["CPUExecutionProvider"])
+
+
+def _rotated(x, cos, sin, p, rd):  # x [..., hd] at position p: the first rd dims in halves
+    half = rd // 2
+    out = x.astype(np.float64).copy()
+    x1, x2 = out[..., :half].copy(), out[..., half:rd].copy()
+    out[..., :half] = x1 * cos[p] - x2 * sin[p]
+    out[..., half:rd] = x2 * cos[p] + x1 * sin[p]
+    return out
+
+
+def _rotary_inputs(rng, heads, kv, hd, rd, *, rows=3, s_len=4, cap=48):
+    q, k, v, pos = _inputs(rng, heads, kv, hd, rows=rows, s_len=s_len, cap=cap)
+    qkv = rng.standard_normal((rows, s_len, (heads + 2 * kv) * hd)).astype(np.float32)
+    angles = np.arange(cap)[:, None] * 10000.0 ** (-np.arange(rd // 2) / (rd // 2))
+    return qkv, k, v, pos, np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+@pytest.mark.parametrize("heads,kv,hd,rd,window", [(9, 3, 64, 64, 0), (4, 2, 16, 8, 5),
+                                                   (2, 1, 12, 12, 0)])
+def test_the_rotary_op_rotates_stores_and_attends(heads, kv, hd, rd, window, tmp_path):
+    """Against float64: every position's key rotated and its value stored at its position of
+    its own cache row (nothing else changed), and the named rows' rotated queries attending as
+    CacheAttention does."""
+    rng = np.random.default_rng(heads + hd + rd)
+    qkv, k, v, pos, cos, sin = _rotary_inputs(rng, heads, kv, hd, rd)
+    rows = np.array([0, 2, 3, 5, 8, 11], np.int64)
+    sess = _rotary_session(heads, rd, window, tmp_path / "r.onnx")
+    y, k_out, v_out = sess.run(None, {"qkv": qkv, "past_k": k, "past_v": v, "pos": pos,
+                                      "rows": rows, "cos": cos, "sin": sin})
+    want_k, want_v = k.astype(np.float64), v.astype(np.float64)
+    b_len, s_len = pos.shape
+    q = np.zeros((b_len, s_len, heads * hd))
+    for b in range(b_len):
+        for s in range(s_len):
+            p = int(pos[b, s])
+            x = qkv[b, s].reshape(heads + 2 * kv, hd)
+            q[b, s] = _rotated(x[:heads], cos, sin, p, rd).reshape(-1)
+            want_k[b, :, p] = _rotated(x[heads:heads + kv], cos, sin, p, rd)
+            want_v[b, :, p] = x[heads + kv:]
+    np.testing.assert_allclose(k_out, want_k, rtol=0, atol=1e-5)
+    assert np.array_equal(v_out, want_v.astype(np.float32))
+    want = _reference(q, want_k, want_v, pos, rows, heads, 0.125, 0.0, window)
+    np.testing.assert_allclose(y, want, rtol=0, atol=1e-5)
+
+
+def test_the_rotary_op_writes_in_place_and_a_row_is_the_same_in_every_call(tmp_path):
+    """Past and present bound to one buffer (as the runtime binds them): the new keys and
+    values land in it, the rest untouched, and the outputs equal an unbound run's; a token's
+    output alone equals its output among the call's tokens, bit for bit."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(11)
+    heads, kv, hd = 9, 3, 64
+    qkv, k, v, pos, cos, sin = _rotary_inputs(rng, heads, kv, hd, hd)
+    sess = _rotary_session(heads, hd, 0, tmp_path / "r.onnx")
+    every = np.arange(pos.size, dtype=np.int64)
+    feeds = {"qkv": qkv, "past_k": k, "past_v": v, "pos": pos, "cos": cos, "sin": sin}
+    y, k_out, v_out = sess.run(None, {**feeds, "rows": every})
+    cache_k, cache_v = (ort.OrtValue.ortvalue_from_numpy(x.copy()) for x in (k, v))
+    binding = sess.io_binding()
+    for name, x in {**feeds, "rows": every}.items():
+        if name not in ("past_k", "past_v"):
+            binding.bind_cpu_input(name, x)
+    binding.bind_ortvalue_input("past_k", cache_k)
+    binding.bind_ortvalue_input("past_v", cache_v)
+    binding.bind_output("y")
+    binding.bind_ortvalue_output("present_k", cache_k)
+    binding.bind_ortvalue_output("present_v", cache_v)
+    sess.run_with_iobinding(binding)
+    assert np.array_equal(binding.copy_outputs_to_cpu()[0], y)
+    assert np.array_equal(cache_k.numpy(), k_out) and np.array_equal(cache_v.numpy(), v_out)
+    for flat in every:
+        alone = sess.run(None, {**feeds, "rows": np.array([flat])})[0]
+        assert np.array_equal(alone[0], y[flat])
+
+
+def test_the_rotary_op_refuses_positions_out_of_range_and_writes_nothing(tmp_path):
+    rng = np.random.default_rng(5)
+    qkv, k, v, pos, cos, sin = _rotary_inputs(rng, 9, 3, 64, 64)
+    sess = _rotary_session(9, 64, 0, tmp_path / "r.onnx")
+    bad = pos.copy()
+    bad[2, 3] = k.shape[2]  # one past the capacity
+    y, k_out, v_out = sess.run(None, {"qkv": qkv, "past_k": k, "past_v": v, "pos": bad,
+                                      "rows": np.array([0, 4], np.int64), "cos": cos,
+                                      "sin": sin})
+    assert np.isnan(y).all() and np.array_equal(k_out, k) and np.array_equal(v_out, v)
