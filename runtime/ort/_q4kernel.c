@@ -403,7 +403,7 @@ typedef struct {
     const float *k, *v;  /* the present cache */
     const int64_t *positions, *rows;
     float *y;
-    int64_t b, s, kv, cap, hd, width, tables;
+    int64_t b, s, kv, cap, hd, width;
 } RotaryJob;
 
 static __thread float *rotary_scratch;  /* a group's rotated queries */
@@ -422,7 +422,8 @@ static void rotate(const float *x, const float *cos, const float *sin, int64_t r
     for (int64_t i = r; i < hd; i++) out[i] = x[i];
 }
 
-/* task i: token row i / kv, the query heads of KV head i % kv, rotated into scratch first */
+/* task i: token row i / kv, the query heads of KV head i % kv, rotated into scratch first
+ * (rotary_compute has checked every position of the call against the cache and the tables) */
 static void rotary_task(void *data, size_t i) {
     RotaryJob *job = data;
     int64_t kv = job->kv, hd = job->hd, heads = job->op->base.heads, group = heads / kv;
@@ -430,7 +431,7 @@ static void rotary_task(void *data, size_t i) {
     float *y = job->y + m * heads * hd + h * group * hd;
     int64_t flat = job->rows[m], p = -1;
     if (flat >= 0 && flat < job->b * job->s) p = job->positions[flat];
-    if (p < 0 || p >= job->cap || p >= job->tables ||
+    if (p < 0 ||  /* a token row outside the call */
         !grown(&attn_scratch, &attn_scratch_size, sizeof(float) * (size_t)(group * (p + 9))) ||
         !grown(&rotary_scratch, &rotary_scratch_size, sizeof(float) * (size_t)(group * hd))) {
         for (int64_t j = 0; j < group * hd; j++) y[j] = __builtin_nanf("");
@@ -487,7 +488,7 @@ static void rotary_compute(void *state, void *context) {
     }
     if (!y || rd[0] == 0) return;
     RotaryJob job = {op, qkv, cos, sin, kc, vc, positions, rows, y, xd[0], xd[1], kv, cap, hd,
-                     width, cd[0]};
+                     width};
     size_t tasks = (size_t)(rd[0] * kv);
     if (tasks <= 1 || failed(FN(API_KernelContext_ParallelFor, parallel_for_t)(
                                   context, rotary_task, tasks, 0, &job)))
