@@ -143,6 +143,7 @@ class ModelCosts:
         runner = self.host.runner
         if runner is not None and self.surface is not None:
             return shared.for_batch_row(BatchCosts(self.surface, lambda: runner.active_rows,
+                                                   context=lambda: runner.active_context,
                                                    draft=self.draft_surface,
                                                    packs_tokens=runner.backend.packs_tokens))
         return shared.for_request()

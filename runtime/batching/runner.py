@@ -99,6 +99,14 @@ class BatchRunner:
         with self._cond:
             return max(1, len(self._decoding))
 
+    @property
+    def active_context(self) -> int:
+        """The mean valid length of the rows decoding now (0 with none): the context a row's
+        draft-length policy prices a call at."""
+        with self._cond:
+            rows = list(self._decoding)
+        return sum(r.length for r in rows) // len(rows) if rows else 0
+
     def row(self) -> "BatchRow":
         return BatchRow(self)
 

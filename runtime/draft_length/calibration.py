@@ -21,13 +21,16 @@ from ..ort.graph_io import call_width
 from ..ort.machine import cpu_model
 from ..paths import cache_root
 from ..decoding.protocols import Decoder
+from ..errors import InvalidOptionError
 
 T = TypeVar("T")
 
 # 2: cost surfaces have a one-token column (curves re-measured too); 3: a surface's call has one
-# row of `tokens` tokens and the others one each
-CALIBRATION_VERSION = 3
+# row of `tokens` tokens and the others one each; 4: surfaces measured at two contexts
+CALIBRATION_VERSION = 4
 CALIBRATION_CONTEXT = 256  # tokens in the cache while a curve is measured
+LONG_CONTEXT = 1024  # a cost surface's second context (where the rows' capacity allows it)
+LEAST_CONTEXT_SHARE = 0.25  # a surface's cost below its first context falls to this share at most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,68 +220,101 @@ SURFACE_ROWS = (1, 2, 4, 8, 16)  # batch sizes a cost surface is measured at (up
 SURFACE_TOKENS = (1, 2, 4, 8, 16)  # tokens a row (a one-row call of one token runs two)
 
 
+Grid = tuple[tuple[float, ...], ...]  # seconds [len(rows)][len(tokens)]
+
+
 @dataclasses.dataclass(frozen=True)
 class CostSurface:
-    """c(rows, tokens): the measured seconds of one batched call of `rows` rows, one of which
-    appends `tokens` tokens (a pending token and tokens - 1 drafts) and the others one each,
-    on a grid (linear in between, and beyond the grid from its last two points). The call is
-    the runner's: every row's block padded to `tokens`, the graph computing the real tokens
-    only where it packs them (`token_rows`), all of them otherwise. A row's draft-length
-    policy prices its block with `curve(rows)`, the cost of the
-    shared call it will ride in, so speculation stops paying where the measurements say so."""
+    """c(rows, tokens, context): the measured seconds of one batched call of `rows` rows, one
+    of which appends `tokens` tokens (a pending token and tokens - 1 drafts) and the others one
+    each, every row holding `context` tokens, on a grid (linear in between, and beyond the grid
+    from its last two points). The call is the runner's: every row's block padded to `tokens`,
+    the graph computing the real tokens only where it packs them (`token_rows`), all of them
+    otherwise. A row's draft-length policy prices its block with `cost`, the cost of the shared
+    call it will ride in, so speculation stops paying where the measurements say so.
+
+    `seconds` is the grid at `context` tokens; `long_seconds`, where measured, the same grid at
+    `long_context`. Between and beyond the two the cost is linear in the context (each token's
+    attention reads every earlier one: at 8 rows of the default model's window export an extra
+    token costs about 1 ms at 256 tokens and 1.6 ms at 1000), falling below `context` to
+    LEAST_CONTEXT_SHARE of the cost there at most."""
 
     rows: tuple[int, ...]
     tokens: tuple[int, ...]
-    seconds: tuple[tuple[float, ...], ...]  # [len(rows)][len(tokens)]
+    seconds: Grid
+    context: int = CALIBRATION_CONTEXT
+    long_seconds: Grid | None = None
+    long_context: int = 0
 
-    def cost(self, rows: int, tokens: int) -> float:
-        return _at(self.tokens, self._line(rows), tokens)
+    def __post_init__(self) -> None:
+        if self.long_seconds is not None and self.long_context <= self.context:
+            raise InvalidOptionError(f"long_context ({self.long_context}) must exceed context "
+                             f"({self.context})")
+
+    def cost(self, rows: int, tokens: int, context: int | None = None) -> float:
+        """Seconds of the call; `context` None: at the surface's first context."""
+        near = _at(self.tokens, self._line(self.seconds, rows), tokens)
+        if context is None or self.long_seconds is None:
+            return near
+        far = _at(self.tokens, self._line(self.long_seconds, rows), tokens)
+        share = (max(0, context) - self.context) / (self.long_context - self.context)
+        return max(near + share * (far - near), LEAST_CONTEXT_SHARE * near)
 
     def curve(self, rows: int, max_len: int) -> CostCurve:
         """The cost of a call at `rows` rows in which one row appends 1..max_len tokens and the
-        others one each (below the grid's first token count, that count's: `_at` holds the
-        first point to the left)."""
-        line = self._line(rows)
+        others one each, at the first context (below the grid's first token count, that
+        count's: `_at` holds the first point to the left)."""
+        line = self._line(self.seconds, rows)
         return CostCurve(tuple(_at(self.tokens, line, n) for n in range(1, max_len + 1)))
 
-    def _line(self, rows: int) -> list[float]:
+    def _line(self, grid: Grid, rows: int) -> list[float]:
         """The seconds at each grid token count, at `rows` rows."""
-        columns = np.asarray(self.seconds).T  # [tokens][rows]
+        columns = np.asarray(grid).T  # [tokens][rows]
         return [_at(self.rows, column, rows) for column in columns]
 
     @classmethod
     def measure(cls, backend, *, max_len: int, floors: np.ndarray | None = None,
-                context: int = CALIBRATION_CONTEXT, repeats: int = 3,
-                seed: int = 0) -> "CostSurface":
+                context: int = CALIBRATION_CONTEXT, long_context: int = LONG_CONTEXT,
+                repeats: int = 3, seed: int = 0) -> "CostSurface":
         """Time batched calls on `backend` (no other call running) with the rows at `context`
-        tokens, the grid interleaved so the machine's drift hits it alike; median per point,
-        made non-decreasing along both axes. `floors` [max_rows]: lengths of caches in use,
-        which the timed calls write past, never into (a row at its floor + max_len fits)."""
+        tokens and, where the capacity allows more than that, at `long_context` (at most the
+        capacity less the widest call), the grid interleaved so the machine's drift hits it
+        alike; median per point, made non-decreasing along both axes and from the first
+        context to the second. `floors` [max_rows]: lengths of caches in use, which the timed
+        calls write past, never into (a row at its floor + max_len fits)."""
         rows = tuple(r for r in SURFACE_ROWS if r < backend.max_rows) + (backend.max_rows,)
         tokens = tuple(t for t in SURFACE_TOKENS if t < max_len) + (max_len,)
         rows, tokens = tuple(sorted(set(rows))), tuple(sorted(set(tokens)))
         widest = max(max_len, backend.min_rows)  # a one-row one-token point runs min_rows
         context = max(1, min(context, backend.capacity - widest))
+        long_context = min(long_context, backend.capacity - widest)
+        contexts = (context, long_context) if long_context > context else (context,)
         rng = np.random.default_rng(seed)
-        times: dict[tuple[int, int], list[float]] = {(r, t): [] for r in rows for t in tokens}
+        times: dict[tuple[int, int, int], list[float]] = {
+            (c, r, t): [] for c in contexts for r in rows for t in tokens}
         grid = list(times)
-        lengths = np.full(backend.max_rows, context, np.int64)
+        lengths = {c: np.full(backend.max_rows, c, np.int64) for c in contexts}
         if floors is not None:
-            lengths = np.where(np.maximum(lengths, floors) + widest <= backend.capacity,
-                               np.maximum(lengths, floors), floors)
+            lengths = {c: np.where(np.maximum(at, floors) + widest <= backend.capacity,
+                                   np.maximum(at, floors), floors) for c, at in lengths.items()}
         for rep in range(repeats + 1):
-            for r, t in grid if rep % 2 else grid[::-1]:
+            for c, r, t in grid if rep % 2 else grid[::-1]:
                 # the call the runner makes (a one-row call of one token runs two)
                 s = call_width(r, t, backend.min_rows)
                 ids = rng.integers(0, backend.vocab_size, size=(r, s))
                 real = np.concatenate([np.arange(t), s * np.arange(1, r)]).astype(np.int64)
                 t0 = time.perf_counter()
-                backend.run(0, r, ids, lengths[:r], take=real, real=real)
+                backend.run(0, r, ids, lengths[c][:r], take=real, real=real)
                 if rep:  # the first round warms up
-                    times[(r, t)].append(time.perf_counter() - t0)
-        med = np.array([[float(np.median(times[(r, t)])) for t in tokens] for r in rows])
-        med = np.maximum.accumulate(np.maximum.accumulate(med, axis=0), axis=1)
-        return cls(rows, tokens, tuple(tuple(float(x) for x in line) for line in med))
+                    times[(c, r, t)].append(time.perf_counter() - t0)
+        med = np.array([[[float(np.median(times[(c, r, t)])) for t in tokens] for r in rows]
+                        for c in contexts])
+        med = np.maximum.accumulate(np.maximum.accumulate(np.maximum.accumulate(
+            med, axis=0), axis=1), axis=2)
+        grids = [tuple(tuple(float(x) for x in line) for line in at) for at in med]
+        if len(grids) == 1:
+            return cls(rows, tokens, grids[0], context)
+        return cls(rows, tokens, grids[0], context, grids[1], long_context)
 
 
 def _at(xs: Sequence[int], ys: Sequence[float], x: int) -> float:
@@ -302,10 +338,15 @@ def calibrated_cost_surface(backend, key: CalibrationKey, *, max_len: int,
         ".json", f"-batch{backend.max_rows}.json")
 
     def read(data: dict) -> CostSurface | None:
+        long = data["long_seconds"]
         surface = CostSurface(tuple(data["rows"]), tuple(data["tokens"]),
-                              tuple(tuple(line) for line in data["seconds"]))
+                              tuple(tuple(line) for line in data["seconds"]), data["context"],
+                              None if long is None else tuple(tuple(line) for line in long),
+                              data["long_context"])
+        grids = [surface.seconds] + ([] if surface.long_seconds is None else [surface.long_seconds])
         if surface.tokens[-1] == max_len and surface.rows[-1] == backend.max_rows and all(
-                x > 0 for line in surface.seconds for x in line):
+                np.shape(g) == (len(surface.rows), len(surface.tokens)) and np.all(np.asarray(g) > 0)
+                for g in grids):
             return surface
         return None
 
@@ -313,7 +354,10 @@ def calibrated_cost_surface(backend, key: CalibrationKey, *, max_len: int,
     if cached is not None:
         return cached
     surface = CostSurface.measure(backend, max_len=max_len, floors=floors)
+    long = surface.long_seconds
     _store(path, {"version": CALIBRATION_VERSION, "model": key.model_dir,
                   "rows": list(surface.rows), "tokens": list(surface.tokens),
-                  "seconds": [list(line) for line in surface.seconds]})
+                  "context": surface.context, "seconds": [list(line) for line in surface.seconds],
+                  "long_context": surface.long_context,
+                  "long_seconds": None if long is None else [list(line) for line in long]})
     return surface

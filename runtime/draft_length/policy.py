@@ -229,9 +229,13 @@ class CallCosts(Protocol):
     def draft_step(self, solo: float) -> float: ...  # a draft step's seconds (solo: its own call)
 
 
+CONTEXT_STEP = 32  # BatchCosts prices the rows' mean context to this many tokens
+
+
 class BatchCosts:
     """The costs of a row of a batched model (`batching.rows.BatchRow`), from the measured
-    surface c(B, t) at the number of rows decoding now, B.
+    surface c(B, t, L) at the number of rows decoding now, B, and their mean context, L
+    (`context`, to CONTEXT_STEP tokens; without it, the surface's first context).
 
     A row's block is priced as if every row drafted alike, since under load they all run the
     same policy: the call then carries B blocks of k + 1 tokens. On a graph that computes the
@@ -242,26 +246,36 @@ class BatchCosts:
     the tokens it emits are its own E(k): pricing a row's drafts against the
     tokens the other rows emit anyway, as if they did not draft, made speculation look free
     under load and run slower than plain decoding at 8 rows. Nothing is learned from a row's
-    timed calls: their wall time includes waiting for the other rows."""
+    timed calls: their wall time includes waiting for the other rows. The context matters
+    because every drafted token attends over its row's cache: rows deep into long prompts make
+    drafts dearer than the surface's first context says, and a policy blind to it drafted at a
+    loss there."""
 
     def __init__(self, surface: CostSurface, rows: Callable[[], int], *,
-                 draft: CostSurface | None = None, packs_tokens: bool = True) -> None:
-        self.surface, self._rows, self.draft = surface, rows, draft
+                 context: Callable[[], int] | None = None, draft: CostSurface | None = None,
+                 packs_tokens: bool = True) -> None:
+        self.surface, self._rows, self._context, self.draft = surface, rows, context, draft
         self.packs_tokens = packs_tokens
-        # (rows, n_max) -> costs, and rows -> the draft's d(B, 1) / B: the surfaces never
-        # change, and a row asks at every step
-        self._memo: dict[tuple[int, int], np.ndarray] = {}
-        self._draft_memo: dict[int, float] = {}
+        # (rows, context, n_max) -> costs, and (rows, context) -> the draft's d(B, 1) / B: the
+        # surfaces never change, and a row asks at every step
+        self._memo: dict[tuple[int, int | None, int], np.ndarray] = {}
+        self._draft_memo: dict[tuple[int, int | None], float] = {}
+
+    def _at_context(self) -> int | None:
+        """The rows' mean context to CONTEXT_STEP tokens; None where no context is followed."""
+        if self._context is None:
+            return None
+        return CONTEXT_STEP * round(self._context() / CONTEXT_STEP)
 
     def costs(self, n_max: int) -> np.ndarray:  # [n_max]: a row's share of the call, n = k + 1
-        b = self._rows()
-        got = self._memo.get((b, n_max))
+        b, context = self._rows(), self._at_context()
+        got = self._memo.get((b, context, n_max))
         if got is None:
             n = np.arange(1, n_max + 1)
             tokens = b * (n - 1) + 1 if self.packs_tokens else n
-            got = np.array([self.surface.cost(b, int(t)) for t in tokens]) / b
+            got = np.array([self.surface.cost(b, int(t), context) for t in tokens]) / b
             got.flags.writeable = False
-            self._memo[b, n_max] = got
+            self._memo[b, context, n_max] = got
         return got
 
     def observe(self, n_tokens: int, seconds: float) -> None:
@@ -274,10 +288,10 @@ class BatchCosts:
         there, against 0.45x alone); a draft of each row's own costs its step, `solo`."""
         if self.draft is None:
             return solo
-        b = self._rows()
-        got = self._draft_memo.get(b)
+        b, context = self._rows(), self._at_context()
+        got = self._draft_memo.get((b, context))
         if got is None:
-            got = self._draft_memo[b] = self.draft.cost(b, 1) / b
+            got = self._draft_memo[b, context] = self.draft.cost(b, 1, context) / b
         return got
 
 

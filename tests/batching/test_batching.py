@@ -31,7 +31,7 @@ from ortspec.runtime.batching.backend import ReferenceBatchBackend
 from ortspec.runtime.batching.runner import BatchRunner
 from ortspec.runtime.draft_length.calibration import CostCurve, CostSurface
 from ortspec.runtime.draft_length.policy import AcceptanceModel, AdaptiveDraftLength, BatchCosts
-from ortspec.runtime.errors import NonFiniteLogitsError
+from ortspec.runtime.errors import InvalidOptionError, NonFiniteLogitsError
 from ortspec.runtime.ort.graph_io import TOKEN_ROWS, call_width, logit_rows_for, token_rows_for
 from ortspec.runtime.decoding.sampling import DraftBlock
 from helpers.stats import assert_matches_marginals
@@ -99,8 +99,6 @@ def test_batched_rows_decode_exactly_as_alone_greedy(min_rows):
 def test_a_row_of_a_backend_without_hidden_states_says_so():
     """`BatchRow.last_hidden_states` on a backend that returns none names the export option
     that adds them, before and after a call, and the row decodes on."""
-    from ortspec.runtime.errors import InvalidOptionError
-
     runner = BatchRunner(ReferenceBatchBackend(GREEDY, max_rows=2, max_call=8), max_verify_len=8)
     row = runner.row()
     assert row.hidden_state_layers is None
@@ -330,6 +328,56 @@ def test_under_load_a_row_drafts_only_what_pays_when_every_row_drafts_alike():
     assert policy.rate(4, key=key, prior=None, paid=False) == pytest.approx(plain_rate)
 
 
+def test_a_surface_is_linear_in_the_context_between_and_beyond_its_two():
+    surface = CostSurface(rows=(1, 8), tokens=(1, 9), seconds=((1.0, 2.0), (2.0, 4.0)),
+                          context=256, long_seconds=((1.5, 3.5), (3.0, 7.0)), long_context=1024)
+    assert surface.cost(8, 9) == surface.cost(8, 9, 256) == 4.0
+    assert surface.cost(8, 9, 1024) == 7.0
+    assert surface.cost(8, 9, 640) == pytest.approx(5.5)  # halfway
+    assert surface.cost(8, 9, 1792) == pytest.approx(10.0)  # beyond: the same slope
+    assert surface.cost(8, 5, 640) == pytest.approx((3.0 + 5.0) / 2)  # halfway in both
+    assert surface.cost(8, 9, 0) == pytest.approx(3.0)  # below: the slope, down to context 0
+    steep = CostSurface(rows=(1,), tokens=(1,), seconds=((1.0,),), context=256,
+                        long_seconds=((9.0,),), long_context=512)
+    assert steep.cost(1, 1, 0) == 0.25  # ... and never below a quarter of the first context's
+    without = CostSurface(rows=(1,), tokens=(1,), seconds=((1.0,),))
+    assert without.cost(1, 1, 4096) == 1.0  # measured at one context: that one's
+    with pytest.raises(InvalidOptionError, match="long_context"):
+        CostSurface(rows=(1,), tokens=(1,), seconds=((1.0,),), context=256,
+                    long_seconds=((2.0,),), long_context=256)
+
+
+def test_under_load_a_row_deep_into_long_prompts_drafts_less():
+    """Each drafted token attends over its row's cache, so at a long context the same block
+    costs more: the rows' mean context (followed as it changes) turns a block that pays at 256
+    tokens into a plain step at 2048."""
+    surface = CostSurface(rows=(1, 8), tokens=(1, 2, 4, 8, 16),
+                          seconds=((1.0, 1.1, 1.3, 1.7, 2.5), (2.0, 2.1, 2.3, 2.7, 3.5)),
+                          context=256,
+                          long_seconds=((1.2, 1.5, 2.1, 3.3, 5.7), (2.8, 3.1, 3.7, 4.9, 7.3)),
+                          long_context=1024)
+    context = [256]
+    costs = BatchCosts(surface, lambda: 8, context=lambda: context[0])
+    policy = AdaptiveDraftLength(CostCurve((1.0,))).for_batch_row(costs)
+    block = DraftBlock.points([1, 2, 3, 4], source="test", match_len=3)
+    for i in range(60):  # three blocks in four fully accepted, the fourth rejected at once
+        policy.observe(block, 4, 0 if i % 4 == 0 else 4, 1)
+    at_256 = costs.costs(5)
+    assert policy.choose(block) >= 1
+    context[0] = 2048 + 7  # the mean context, to 32 tokens
+    assert costs.costs(5) == pytest.approx(
+        [surface.cost(8, 8 * k + 1, 2048) / 8 for k in range(5)])
+    assert policy.choose(block) == 0
+    context[0] = 250
+    assert costs.costs(5) is at_256  # kept per (rows, context, n)
+    # a draft model's batched step follows the context too
+    draft = CostSurface(rows=(1, 8), tokens=(1,), seconds=((0.1,), (0.4,)), context=256,
+                        long_seconds=((0.2,), (0.8,)), long_context=1024)
+    draft_costs = BatchCosts(surface, lambda: 8, context=lambda: context[0], draft=draft)
+    context[0] = 1024
+    assert draft_costs.draft_step(0.1) == pytest.approx(0.8 / 8)
+
+
 def test_a_batched_draft_is_priced_at_the_rows_that_share_its_call():
     """A draft model whose steps are batched too costs its call at the rows decoding now:
     cheap alone, it pays there; as dear as most of the target's call at 4 rows, it does not
@@ -383,11 +431,19 @@ def test_cost_surface_measured_on_a_backend_is_monotone_and_writes_past_the_floo
         dec.forward_batch(list(range(20)))
     floors = np.array([20, 20, 20])
     before = [dec.forward_batch([1])[0].copy() for dec in backend.rows]
-    for dec in backend.rows:
+    for dec in backend.rows:  # (the reference rows run at lengths they hold: the long context)
         dec.truncate(20)
+        dec.forward_batch(list(range(10)))
     backend.calls.clear()
-    surface = CostSurface.measure(backend, max_len=8, floors=floors, context=10, repeats=1)
+    surface = CostSurface.measure(backend, max_len=8, floors=floors, context=10,
+                                  long_context=25, repeats=1)
     assert surface.rows == (1, 2, 3) and surface.tokens == (1, 2, 4, 8)
+    # the first context is under the floors: its calls run at the floors
+    assert surface.context == 10 and surface.long_context == 25
+    assert len(backend.calls) == 2 * 2 * 3 * 4  # two contexts, two rounds, 3 x 4 points
+    near, far = np.asarray(surface.seconds), np.asarray(surface.long_seconds)
+    assert (far >= near).all() and (np.diff(far, axis=0) >= 0).all() \
+        and (np.diff(far, axis=1) >= 0).all()
     # each point timed as the runner calls it: one row's one-token call runs two tokens
     assert (1, 1) not in backend.calls and (1, 2) in backend.calls and (2, 1) in backend.calls
     # ... and as a drafting row meets the others: one row's block, the others one token each
