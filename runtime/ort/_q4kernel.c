@@ -18,7 +18,7 @@
  * Q4Gemm and Q8Gemm: attributes K and N; x float [..., K], y float [..., N]. x is rounded to int8 per row and block
  * of 32, as MatMulNBits does at accuracy level 4; each block's integer dot product is exact and
  * each output is summed in the same order whatever the row count, so a row of a many-row call is
- * the lone row bit for bit. A tile's weights, unpacked once, serve up to 8 rows (AVX-512 VNNI) or
+ * the lone row bit for bit. A tile's weights, unpacked once, serve up to 16 rows (AVX-512 VNNI) or
  * 4 (AVX2): what makes an extra row of a verify or a batch cheap.
  *
  * The onnxruntime C API is reached through the function table OrtGetApiBase hands the library;

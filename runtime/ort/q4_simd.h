@@ -21,6 +21,8 @@
 
 #define QK 32
 #define TILE 16
+#define ROWS512 16 /* rows a pass over a tile's weights serves, AVX-512 VNNI */
+#define ROWS256 4 /* ... AVX2 */
 
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
@@ -81,8 +83,8 @@ static AVX512 INLINE void q4_tile512(int R, const Activations *a, int64_t r0, co
     const int64_t nb = a->k / QK, k = a->k;
     const int8_t *qx = a->qx + r0 * k;
     const float *sx = a->sx + r0 * nb, *bx = a->bx + r0 * nb, *qs = a->qs + r0 * nb;
-    __m512 acc[8];
-#pragma GCC unroll 8
+    __m512 acc[ROWS512];
+#pragma GCC unroll 16
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F);
     const __m512 zero = _mm512_setzero_ps(), fifteen = _mm512_set1_ps(15.f);
@@ -101,7 +103,7 @@ static AVX512 INLINE void q4_tile512(int R, const Activations *a, int64_t r0, co
         z = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(z, _MM_FROUND_TO_NEAREST_INT |
                                                                   _MM_FROUND_NO_EXC), zero), fifteen);
         __m512 off = _mm512_fmadd_ps(z, dv, mv), nzd = _mm512_sub_ps(zero, _mm512_mul_ps(z, dv));
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
             const int32_t *xr = (const int32_t *)(qx + r * k + b * QK);
             __m512i s = _mm512_setzero_si512();
@@ -113,7 +115,7 @@ static AVX512 INLINE void q4_tile512(int R, const Activations *a, int64_t r0, co
             acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(bx[r * nb + b]), acc[r]);
         }
     }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * a->n, acc[r]);
 }
 
@@ -177,15 +179,15 @@ static AVX512 INLINE void q8_tile512(int R, const Activations *a, int64_t r0, co
     const int8_t *qx = a->qx + r0 * k;
     const float *sx = a->sx + r0 * nb;
     const int32_t *ix = a->ix + r0 * nb;
-    __m512 acc[8];
-#pragma GCC unroll 8
+    __m512 acc[ROWS512];
+#pragma GCC unroll 16
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         __m512i w[8];
 #pragma GCC unroll 8
         for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512((const void *)(q + b * 512 + g * 64));
         __m512 dv = _mm512_loadu_ps(d + b * TILE);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
             const int32_t *xr = (const int32_t *)(qx + r * k + b * QK);
             __m512i s = _mm512_set1_epi32(-128 * ix[r * nb + b]);
@@ -195,7 +197,7 @@ static AVX512 INLINE void q8_tile512(int R, const Activations *a, int64_t r0, co
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
         }
     }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * a->n, acc[r]);
 }
 
@@ -242,47 +244,54 @@ static AVX2 INLINE void q8_tile256(int R, const Activations *a, int64_t r0, cons
 
 /* ---- every row of output tiles [t0, t1) --------------------------------------------------- */
 
-#define ROW_CASES(T, STEP, ...)                                                    \
+/* each kernel call takes a group of rows: ROWS512 (AVX-512: 16 accumulators and the 8 unpacked
+ * weight registers fit its 32) or ROWS256 (AVX2: 2 x 4 accumulators of its 16), the last group
+ * what is left */
+#define ROW_GROUPS(STEP, CASES)                                                     \
     for (int64_t r = 0; r < a->rows; r += STEP) {                                  \
         int64_t left = a->rows - r;                                                \
-        switch (left >= STEP ? STEP : left) {                                      \
-            case 8: T(8, a, r, __VA_ARGS__); break;                                \
-            case 7: T(7, a, r, __VA_ARGS__); break;                                \
-            case 6: T(6, a, r, __VA_ARGS__); break;                                \
-            case 5: T(5, a, r, __VA_ARGS__); break;                                \
-            case 4: T(4, a, r, __VA_ARGS__); break;                                \
-            case 3: T(3, a, r, __VA_ARGS__); break;                                \
-            case 2: T(2, a, r, __VA_ARGS__); break;                                \
-            default: T(1, a, r, __VA_ARGS__); break;                               \
-        }                                                                          \
+        switch (left >= STEP ? STEP : left) { CASES }                              \
     }
+#define ROW_CASE(T, R, ...) case R: T(R, a, r, __VA_ARGS__); break;
+#define ROW_CASES_4(T, ...)                                                        \
+    ROW_GROUPS(ROWS256, ROW_CASE(T, 4, __VA_ARGS__) ROW_CASE(T, 3, __VA_ARGS__)     \
+               ROW_CASE(T, 2, __VA_ARGS__) default: T(1, a, r, __VA_ARGS__); break;)
+#define ROW_CASES_16(T, ...)                                                       \
+    ROW_GROUPS(ROWS512, ROW_CASE(T, 16, __VA_ARGS__) ROW_CASE(T, 15, __VA_ARGS__)   \
+               ROW_CASE(T, 14, __VA_ARGS__) ROW_CASE(T, 13, __VA_ARGS__)            \
+               ROW_CASE(T, 12, __VA_ARGS__) ROW_CASE(T, 11, __VA_ARGS__)            \
+               ROW_CASE(T, 10, __VA_ARGS__) ROW_CASE(T, 9, __VA_ARGS__)             \
+               ROW_CASE(T, 8, __VA_ARGS__) ROW_CASE(T, 7, __VA_ARGS__)              \
+               ROW_CASE(T, 6, __VA_ARGS__) ROW_CASE(T, 5, __VA_ARGS__)              \
+               ROW_CASE(T, 4, __VA_ARGS__) ROW_CASE(T, 3, __VA_ARGS__)              \
+               ROW_CASE(T, 2, __VA_ARGS__) default: T(1, a, r, __VA_ARGS__); break;)
 
 static AVX512 void q4_tiles512(const Activations *a, const uint8_t *q, const uint16_t *d,
                                const uint16_t *m, float *y, int64_t t0, int64_t t1) {
     int64_t nb = a->k / QK;
     for (int64_t t = t0; t < t1; t++)
-        ROW_CASES(q4_tile512, 8, q + t * nb * 256, d + t * nb * TILE, m + t * nb * TILE, y + t * TILE)
+        ROW_CASES_16(q4_tile512, q + t * nb * 256, d + t * nb * TILE, m + t * nb * TILE, y + t * TILE)
 }
 
 static AVX2 void q4_tiles256(const Activations *a, const uint8_t *q, const uint16_t *d,
                              const uint16_t *m, float *y, int64_t t0, int64_t t1) {
     int64_t nb = a->k / QK;
     for (int64_t t = t0; t < t1; t++)
-        ROW_CASES(q4_tile256, 4, q + t * nb * 256, d + t * nb * TILE, m + t * nb * TILE, y + t * TILE)
+        ROW_CASES_4(q4_tile256, q + t * nb * 256, d + t * nb * TILE, m + t * nb * TILE, y + t * TILE)
 }
 
 static AVX512 void q8_tiles512(const Activations *a, const uint8_t *q, const float *d, float *y,
                                int64_t t0, int64_t t1) {
     int64_t nb = a->k / QK;
     for (int64_t t = t0; t < t1; t++)
-        ROW_CASES(q8_tile512, 8, q + t * nb * 512, d + t * nb * TILE, y + t * TILE)
+        ROW_CASES_16(q8_tile512, q + t * nb * 512, d + t * nb * TILE, y + t * TILE)
 }
 
 static AVX2 void q8_tiles256(const Activations *a, const uint8_t *q, const float *d, float *y,
                              int64_t t0, int64_t t1) {
     int64_t nb = a->k / QK;
     for (int64_t t = t0; t < t1; t++)
-        ROW_CASES(q8_tile256, 4, q + t * nb * 512, d + t * nb * TILE, y + t * TILE)
+        ROW_CASES_4(q8_tile256, q + t * nb * 512, d + t * nb * TILE, y + t * TILE)
 }
 
 /* MatMulNBits' 8-bit B [n, k / 32, 32] and scales [n * k / 32] -> the Q8 tiles */
