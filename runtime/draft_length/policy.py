@@ -33,6 +33,7 @@ cost correction, which are guarded by locks. Measuring the curve is `calibration
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 from typing import Callable, Iterator, Protocol
 
@@ -271,11 +272,8 @@ class BatchCosts:
         b, context = self._rows(), self._at_context()
         got = self._memo.get((b, context, n_max))
         if got is None:
-            n = np.arange(1, n_max + 1)
-            tokens = b * (n - 1) + 1 if self.packs_tokens else n
-            got = np.array([self.surface.cost(b, int(t), context) for t in tokens]) / b
-            got.flags.writeable = False
-            self._memo[b, context, n_max] = got
+            got = self._memo[b, context, n_max] = _row_shares(self.surface, b, context, n_max,
+                                                              self.packs_tokens)
         return got
 
     def observe(self, n_tokens: int, seconds: float) -> None:
@@ -293,6 +291,18 @@ class BatchCosts:
         if got is None:
             got = self._draft_memo[b, context] = self.draft.cost(b, 1, context) / b
         return got
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_shares(surface: CostSurface, rows: int, context: int | None, n_max: int,
+                packs_tokens: bool) -> np.ndarray:  # [n_max], read-only
+    """`BatchCosts.costs`, kept across requests: each request prices with a BatchCosts of its
+    own, and every request of a model asks for the same few (rows, context) points."""
+    n = np.arange(1, n_max + 1)
+    tokens = rows * (n - 1) + 1 if packs_tokens else n
+    got = np.array([surface.cost(rows, int(t), context) for t in tokens]) / rows
+    got.flags.writeable = False
+    return got
 
 
 class AdaptiveDraftLength:
