@@ -18,8 +18,8 @@
  * Q4Gemm and Q8Gemm: attributes K and N; x float [..., K], y float [..., N]. x is rounded to int8 per row and block
  * of 32, as MatMulNBits does at accuracy level 4; each block's integer dot product is exact and
  * each output is summed in the same order whatever the row count, so a row of a many-row call is
- * the lone row bit for bit. A tile's weights, unpacked once, serve up to 16 rows (AVX-512 VNNI) or
- * 4 (AVX2): what makes an extra row of a verify or a batch cheap.
+ * the lone row bit for bit. A tile's weights, unpacked once, serve up to 12 rows (16 for 8-bit
+ * weights; AVX-512 VNNI) or 4 (AVX2): what makes an extra row of a verify or a batch cheap.
  *
  * The onnxruntime C API is reached through the function table OrtGetApiBase hands the library;
  * the slot numbers below are that table's stable, append-only ABI, so no onnxruntime header is
@@ -102,8 +102,8 @@ static __thread size_t scratch_size;
  * thread pool takes the output tiles (NULL: this thread alone). -1 where memory ran out. */
 static int product(const Weight *w, const float *x, int64_t rows, float *y, void *context) {
 #ifdef ORTSPEC_X86
-    int64_t nb = w->k / QK;
-    size_t need = (size_t)(rows * w->k) + 4 * sizeof(float) * (size_t)(rows * nb) + 64;
+    int64_t nb = w->k / QK, stride = w->k + QX_PAD;
+    size_t need = (size_t)(rows * stride) + 4 * sizeof(float) * (size_t)(rows * nb) + 64;
     if (need > scratch_size) {
         free(scratch);
         scratch = malloc(need);
@@ -111,12 +111,12 @@ static int product(const Weight *w, const float *x, int64_t rows, float *y, void
         if (!scratch) return -1;
     }
     int8_t *qx = (int8_t *)scratch;
-    float *sx = (float *)(scratch + ((rows * w->k + 15) & ~(int64_t)15));
+    float *sx = (float *)(scratch + ((rows * stride + 15) & ~(int64_t)15));
     float *bx = sx + rows * nb;
     int32_t *ix = (int32_t *)(bx + rows * nb);
     float *qs = (float *)(ix + rows * nb);
-    quantize_rows(x, rows, w->k, qx, sx, bx, ix, qs);
-    Activations a = {rows, w->k, w->n, qx, sx, bx, ix, qs};
+    quantize_rows(x, rows, w->k, stride, qx, sx, bx, ix, qs);
+    Activations a = {rows, w->k, w->n, stride, qx, sx, bx, ix, qs};
     int64_t tiles = w->n / TILE;
     /* chunks enough for the pool to balance, each of whole tiles */
     Work job = {w, &a, y, tiles, tiles < 16 ? tiles : 16};

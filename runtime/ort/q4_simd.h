@@ -21,14 +21,19 @@
 
 #define QK 32
 #define TILE 16
-#define ROWS512 16 /* rows a pass over a tile's weights serves, AVX-512 VNNI */
+#define ROWS512 16 /* rows a pass over a tile's weights serves: AVX-512 VNNI, 8-bit weights */
+#define ROWS512_Q4 12 /* ... 4-bit weights, whose unpacking and zero points hold 3 more registers */
 #define ROWS256 4 /* ... AVX2 */
+/* the rows of the int8 activations lie k + QX_PAD bytes apart: with k a multiple of 4096 (the
+ * 1B shape's 8192) rows k apart all fall in one set of the L1 cache, and a pass over 16 rows
+ * evicted its own activations */
+#define QX_PAD 64
 
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 #define INLINE __attribute__((always_inline)) inline
 
-static AVX2 void quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *qx, float *sx,
+static AVX2 void quantize_rows(const float *x, int64_t rows, int64_t k, int64_t stride, int8_t *qx, float *sx,
                                float *bx, int32_t *ix, float *qs) {
     int64_t nb = k / QK;
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -59,7 +64,7 @@ static AVX2 void quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *
             /* int32 -> int8 in order: the packs interleave 128-bit lanes, the permute undoes it */
             __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
             p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-            _mm256_storeu_si256((__m256i *)(qx + r * k + b * QK), p8);
+            _mm256_storeu_si256((__m256i *)(qx + r * stride + b * QK), p8);
             int32_t total = _mm_cvtsi128_si32(s4);
             sx[r * nb + b] = amax / 127.f;
             bx[r * nb + b] = _mm_cvtss_f32(f4);
@@ -70,6 +75,7 @@ static AVX2 void quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *
 
 typedef struct {
     int64_t rows, k, n;
+    int64_t stride;  /* bytes from one row of qx to the next: k and a cache line (see QX_PAD) */
     const int8_t *qx;
     const float *sx, *bx;
     const int32_t *ix;
@@ -80,10 +86,10 @@ typedef struct {
 
 static AVX512 INLINE void q4_tile512(int R, const Activations *a, int64_t r0, const uint8_t *q,
                                      const uint16_t *d, const uint16_t *m, float *y) {
-    const int64_t nb = a->k / QK, k = a->k;
-    const int8_t *qx = a->qx + r0 * k;
+    const int64_t nb = a->k / QK, stride = a->stride;
+    const int8_t *qx = a->qx + r0 * stride;
     const float *sx = a->sx + r0 * nb, *bx = a->bx + r0 * nb, *qs = a->qs + r0 * nb;
-    __m512 acc[ROWS512];
+    __m512 acc[ROWS512_Q4];
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F);
@@ -105,7 +111,7 @@ static AVX512 INLINE void q4_tile512(int R, const Activations *a, int64_t r0, co
         __m512 off = _mm512_fmadd_ps(z, dv, mv), nzd = _mm512_sub_ps(zero, _mm512_mul_ps(z, dv));
 #pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
-            const int32_t *xr = (const int32_t *)(qx + r * k + b * QK);
+            const int32_t *xr = (const int32_t *)(qx + r * stride + b * QK);
             __m512i s = _mm512_setzero_si512();
 #pragma GCC unroll 8
             for (int g = 0; g < 8; g++) s = _mm512_dpbusd_epi32(s, w[g], _mm512_set1_epi32(xr[g]));
@@ -123,8 +129,8 @@ static AVX512 INLINE void q4_tile512(int R, const Activations *a, int64_t r0, co
  * groups (at most 8 * 2 * 15 * 127 = 30480: nothing saturates), then widened once */
 static AVX2 INLINE void q4_tile256(int R, const Activations *a, int64_t r0, const uint8_t *q,
                                    const uint16_t *d, const uint16_t *m, float *y) {
-    const int64_t nb = a->k / QK, k = a->k;
-    const int8_t *qx = a->qx + r0 * k;
+    const int64_t nb = a->k / QK, stride = a->stride;
+    const int8_t *qx = a->qx + r0 * stride;
     const float *sx = a->sx + r0 * nb, *bx = a->bx + r0 * nb, *qs = a->qs + r0 * nb;
     __m256 acc[2][4];
 #pragma GCC unroll 4
@@ -150,7 +156,7 @@ static AVX2 INLINE void q4_tile256(int R, const Activations *a, int64_t r0, cons
             __m256 off = _mm256_fmadd_ps(z, dv, mv), nzd = _mm256_sub_ps(zero, _mm256_mul_ps(z, dv));
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
-                const int32_t *xr = (const int32_t *)(qx + r * k + b * QK);
+                const int32_t *xr = (const int32_t *)(qx + r * stride + b * QK);
                 __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xr[0]));
 #pragma GCC unroll 7
                 for (int g = 1; g < 8; g++)
@@ -175,8 +181,8 @@ static AVX2 INLINE void q4_tile256(int R, const Activations *a, int64_t r0, cons
 /* u8 weights times s8 activations, minus 128 times the activations' sum: exact integers */
 static AVX512 INLINE void q8_tile512(int R, const Activations *a, int64_t r0, const uint8_t *q,
                                      const float *d, float *y) {
-    const int64_t nb = a->k / QK, k = a->k;
-    const int8_t *qx = a->qx + r0 * k;
+    const int64_t nb = a->k / QK, stride = a->stride;
+    const int8_t *qx = a->qx + r0 * stride;
     const float *sx = a->sx + r0 * nb;
     const int32_t *ix = a->ix + r0 * nb;
     __m512 acc[ROWS512];
@@ -189,7 +195,7 @@ static AVX512 INLINE void q8_tile512(int R, const Activations *a, int64_t r0, co
         __m512 dv = _mm512_loadu_ps(d + b * TILE);
 #pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
-            const int32_t *xr = (const int32_t *)(qx + r * k + b * QK);
+            const int32_t *xr = (const int32_t *)(qx + r * stride + b * QK);
             __m512i s = _mm512_set1_epi32(-128 * ix[r * nb + b]);
 #pragma GCC unroll 8
             for (int g = 0; g < 8; g++) s = _mm512_dpbusd_epi32(s, w[g], _mm512_set1_epi32(xr[g]));
@@ -205,8 +211,8 @@ static AVX512 INLINE void q8_tile512(int R, const Activations *a, int64_t r0, co
  * u8 x s8 pair sums stay within 2 * 127 * 128 */
 static AVX2 INLINE void q8_tile256(int R, const Activations *a, int64_t r0, const uint8_t *q,
                                    const float *d, float *y) {
-    const int64_t nb = a->k / QK, k = a->k;
-    const int8_t *qx = a->qx + r0 * k;
+    const int64_t nb = a->k / QK, stride = a->stride;
+    const int8_t *qx = a->qx + r0 * stride;
     const float *sx = a->sx + r0 * nb;
     __m256 acc[2][4];
 #pragma GCC unroll 4
@@ -222,7 +228,7 @@ static AVX2 INLINE void q8_tile256(int R, const Activations *a, int64_t r0, cons
             __m256 dv = _mm256_loadu_ps(d + b * TILE + h * 8);
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
-                const int32_t *xr = (const int32_t *)(qx + r * k + b * QK);
+                const int32_t *xr = (const int32_t *)(qx + r * stride + b * QK);
                 __m256i s = _mm256_setzero_si256();
 #pragma GCC unroll 8
                 for (int g = 0; g < 8; g++) {
@@ -256,6 +262,13 @@ static AVX2 INLINE void q8_tile256(int R, const Activations *a, int64_t r0, cons
 #define ROW_CASES_4(T, ...)                                                        \
     ROW_GROUPS(ROWS256, ROW_CASE(T, 4, __VA_ARGS__) ROW_CASE(T, 3, __VA_ARGS__)     \
                ROW_CASE(T, 2, __VA_ARGS__) default: T(1, a, r, __VA_ARGS__); break;)
+#define ROW_CASES_12(T, ...)                                                       \
+    ROW_GROUPS(ROWS512_Q4, ROW_CASE(T, 12, __VA_ARGS__) ROW_CASE(T, 11, __VA_ARGS__) \
+               ROW_CASE(T, 10, __VA_ARGS__) ROW_CASE(T, 9, __VA_ARGS__)             \
+               ROW_CASE(T, 8, __VA_ARGS__) ROW_CASE(T, 7, __VA_ARGS__)              \
+               ROW_CASE(T, 6, __VA_ARGS__) ROW_CASE(T, 5, __VA_ARGS__)              \
+               ROW_CASE(T, 4, __VA_ARGS__) ROW_CASE(T, 3, __VA_ARGS__)              \
+               ROW_CASE(T, 2, __VA_ARGS__) default: T(1, a, r, __VA_ARGS__); break;)
 #define ROW_CASES_16(T, ...)                                                       \
     ROW_GROUPS(ROWS512, ROW_CASE(T, 16, __VA_ARGS__) ROW_CASE(T, 15, __VA_ARGS__)   \
                ROW_CASE(T, 14, __VA_ARGS__) ROW_CASE(T, 13, __VA_ARGS__)            \
@@ -270,7 +283,7 @@ static AVX512 void q4_tiles512(const Activations *a, const uint8_t *q, const uin
                                const uint16_t *m, float *y, int64_t t0, int64_t t1) {
     int64_t nb = a->k / QK;
     for (int64_t t = t0; t < t1; t++)
-        ROW_CASES_16(q4_tile512, q + t * nb * 256, d + t * nb * TILE, m + t * nb * TILE, y + t * TILE)
+        ROW_CASES_12(q4_tile512, q + t * nb * 256, d + t * nb * TILE, m + t * nb * TILE, y + t * TILE)
 }
 
 static AVX2 void q4_tiles256(const Activations *a, const uint8_t *q, const uint16_t *d,
