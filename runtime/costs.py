@@ -22,7 +22,7 @@ from .draft_length.calibration import CalibrationKey, CostSurface, calibrated_co
     calibrated_cost_surface, calibrated_step_ratio
 from .draft_length.policy import AdaptiveDraftLength, BatchCosts
 from .drafters.eagle3 import SOURCE as EAGLE3_SOURCE
-from .ort import manifest as mf
+from .ort import kernels, manifest as mf
 from .ort.decoder import OrtDecoder
 from .ort.head import HeadSessions, HeadSteps, OrtDraftHead
 from .ort.sessions import OrtSessions
@@ -157,4 +157,5 @@ def draft_id(kind: str, directory: Path, digest: str, *, shares_kv: bool = False
 def calibration_key(sessions: OrtSessions) -> CalibrationKey:
     """What the cost curve or surface measured on these sessions' calls is cached under."""
     return CalibrationKey(str(sessions.model_dir), sessions.graph_digest, tuple(sessions.providers),
-                          sessions.intra_op_threads, sessions.min_call_rows)
+                          sessions.intra_op_threads, sessions.min_call_rows,
+                          kernels.library_digest())

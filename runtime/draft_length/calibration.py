@@ -119,19 +119,23 @@ def step_cost_ratio(a: Decoder, b: Decoder, *, context: int = 128, repeats: int 
 @dataclasses.dataclass(frozen=True)
 class CalibrationKey:
     """What a cost curve depends on, besides the code: the model's graph (its directory name
-    and checksum), the provider, the machine and the intra-op threads (0: onnxruntime's
-    default)."""
+    and checksum), the provider, the machine, the intra-op threads (0: onnxruntime's default)
+    and the build of ortspec's kernels that runs the graph's custom ops (`kernels`: its
+    digest, "" where there is none), so that new kernels are measured anew."""
 
     model_dir: str
     graph_digest: str = ""
     providers: tuple[str, ...] = ()
     threads: int = 0
     min_rows: int = 1  # Manifest.min_call_rows
+    kernels: str = ""
 
     def file_name(self) -> str:
         name = Path(self.model_dir).resolve().name
         model = f"{name}-{self.graph_digest[:16]}" if self.graph_digest else name
         suffix = f"-{self.threads}threads" if self.threads else ""
+        if self.kernels:
+            suffix += f"-kernels{self.kernels[:12]}"
         return f"{model}-{machine_key(self.providers)}{suffix}.json"
 
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import importlib.util
+from pathlib import Path
 
 import onnxruntime as ort
 
@@ -30,6 +32,14 @@ def library_path() -> str | None:
     """The built library's file, or None where the install did not build it."""
     spec = importlib.util.find_spec(_MODULE)
     return spec.origin if spec is not None and spec.origin else None
+
+
+@functools.lru_cache(maxsize=1)
+def library_digest() -> str:
+    """The sha256 of the built library's file, "" where there is none: measurements of calls
+    that may run its ops (the draft-length policy's cost curves) are filed under it."""
+    path = library_path()
+    return "" if path is None else hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 @functools.lru_cache(maxsize=1)

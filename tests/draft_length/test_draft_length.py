@@ -110,6 +110,15 @@ def test_a_drafts_step_ratio_is_measured_once_per_draft_then_read_from_the_cache
     assert len(names) == 1 and "-step-head-x_1" in names[0]
 
 
+def test_new_kernels_are_measured_anew():
+    """The calibration files are named by the kernel library too: a rebuilt library (new
+    kernels, other costs) does not read the old library's figures."""
+    old, new = (CalibrationKey("/m/model", "ab" * 8, ("CPUExecutionProvider",), 2, 1, digest)
+                for digest in ("11" * 32, "22" * 32))
+    assert old.file_name() != new.file_name() and "kernels" + "1" * 12 in old.file_name()
+    assert "kernels" not in CalibrationKey("/m/model", "ab" * 8).file_name()
+
+
 def test_a_verify_slower_than_calibrated_is_learned_and_drafting_stops_paying():
     policy = AdaptiveDraftLength(CPU_LIKE)
     a = np.full(8, 0.2)
