@@ -20,7 +20,8 @@ from .decoding.options import SpeculativeOptions
 from .decoding.protocols import DraftLengthPolicy
 from .draft_length.calibration import CalibrationKey, CostSurface, calibrated_cost_curve, \
     calibrated_cost_surface, calibrated_step_ratio
-from .draft_length.policy import AdaptiveDraftLength, BatchCosts
+from .draft_length.batch import BatchCorrection, BatchCosts
+from .draft_length.policy import AdaptiveDraftLength
 from .drafters.eagle3 import SOURCE as EAGLE3_SOURCE
 from .ort import kernels, manifest as mf
 from .ort.decoder import OrtDecoder
@@ -59,6 +60,7 @@ class ModelCosts:
         self.policy: AdaptiveDraftLength | None = None
         self.surface: CostSurface | None = None
         self.draft_surface: CostSurface | None = None
+        self.batch_correction: BatchCorrection | None = None  # learned from the runner's calls
         self._lock = threading.Lock()  # held while the shared policy is made or extended
 
     def prepare(self, *, refresh: bool = False) -> AdaptiveDraftLength:
@@ -77,6 +79,8 @@ class ModelCosts:
                     lambda backend, floors: calibrated_cost_surface(
                         backend, key, max_len=runner.max_verify_len, floors=floors,
                         refresh=refresh))
+                self.batch_correction = BatchCorrection(self.surface)
+                runner.call_listener = self.batch_correction.observe
             policy = AdaptiveDraftLength(curve)
             self._measure_draft(policy, refresh=refresh)
             self._measure_head(policy, refresh=refresh)
@@ -144,6 +148,7 @@ class ModelCosts:
         if runner is not None and self.surface is not None:
             return shared.for_batch_row(BatchCosts(self.surface, lambda: runner.active_rows,
                                                    context=lambda: runner.active_context,
+                                                   correction=self.batch_correction,
                                                    draft=self.draft_surface,
                                                    packs_tokens=runner.backend.packs_tokens))
         return shared.for_request()

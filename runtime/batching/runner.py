@@ -92,6 +92,9 @@ class BatchRunner:
         self._free_since = time.monotonic()  # when the runner's last call ended
         self._thread: threading.Thread | None = None
         self._closed = False
+        # told of every decode call, on the runner's thread: its rows, tokens in all, the rows'
+        # mean context before it, and its seconds (the draft-length policy's BatchCorrection)
+        self.call_listener: Callable[[int, int, int, float], None] | None = None
 
     @property
     def active_rows(self) -> int:
@@ -392,6 +395,7 @@ class BatchRunner:
             if job is not None:  # (a row without a job rides along on zeros, written past
                 _pad_into(ids[i], job.tokens)  # its valid length and never read)
         self.stats.record(rows=len(jobs), width=s, padded=hi - len(jobs))
+        context = lengths[order].sum() // len(order)  # the jobs' rows' mean, before the call
         try:
             t0 = time.perf_counter()
             # the jobs' own tokens are the positions computed: padding and rows riding along
@@ -419,6 +423,8 @@ class BatchRunner:
                     job.hidden = hidden[offsets[i]:offsets[i] + n].copy()
                 row.length += n
             job.done.set()
+        if self.call_listener is not None:  # (after the rows have their results)
+            self.call_listener(len(jobs), int(take.size), int(context), seconds)
 
     def _hidden(self) -> np.ndarray | None:
         """The last call's hidden states [N, K * hidden], rows as its logits'; None where the

@@ -33,13 +33,13 @@ cost correction, which are guarded by locks. Measuring the curve is `calibration
 from __future__ import annotations
 
 import collections
-import functools
 import threading
 from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
-from .calibration import CostCurve, CostSurface
+from .batch import BatchCosts
+from .calibration import CostCurve
 from ..decoding.sampling import DraftBlock
 
 # -- acceptance ---------------------------------------------------------------------------------
@@ -228,81 +228,6 @@ class CallCosts(Protocol):
     def observe(self, n_tokens: int, seconds: float) -> None: ...
 
     def draft_step(self, solo: float) -> float: ...  # a draft step's seconds (solo: its own call)
-
-
-CONTEXT_STEP = 32  # BatchCosts prices the rows' mean context to this many tokens
-
-
-class BatchCosts:
-    """The costs of a row of a batched model (`batching.rows.BatchRow`), from the measured
-    surface c(B, t, L) at the number of rows decoding now, B, and their mean context, L
-    (`context`, to CONTEXT_STEP tokens; without it, the surface's first context).
-
-    A row's block is priced as if every row drafted alike, since under load they all run the
-    same policy: the call then carries B blocks of k + 1 tokens. On a graph that computes the
-    real tokens only (`packs_tokens`) that is B * k + 1 more tokens than a call of one token a
-    row, as dear as c(B, B * k + 1), the surface's call in which one row appends B * k + 1
-    tokens and the others one each (past the grid, its last slope); on a graph that computes
-    every row at the widest block it is c(B, k + 1). A row's share is that call over B, and
-    the tokens it emits are its own E(k): pricing a row's drafts against the
-    tokens the other rows emit anyway, as if they did not draft, made speculation look free
-    under load and run slower than plain decoding at 8 rows. Nothing is learned from a row's
-    timed calls: their wall time includes waiting for the other rows. The context matters
-    because every drafted token attends over its row's cache: rows deep into long prompts make
-    drafts dearer than the surface's first context says, and a policy blind to it drafted at a
-    loss there."""
-
-    def __init__(self, surface: CostSurface, rows: Callable[[], int], *,
-                 context: Callable[[], int] | None = None, draft: CostSurface | None = None,
-                 packs_tokens: bool = True) -> None:
-        self.surface, self._rows, self._context, self.draft = surface, rows, context, draft
-        self.packs_tokens = packs_tokens
-        # (rows, context, n_max) -> costs, and (rows, context) -> the draft's d(B, 1) / B: the
-        # surfaces never change, and a row asks at every step
-        self._memo: dict[tuple[int, int | None, int], np.ndarray] = {}
-        self._draft_memo: dict[tuple[int, int | None], float] = {}
-
-    def _at_context(self) -> int | None:
-        """The rows' mean context to CONTEXT_STEP tokens; None where no context is followed."""
-        if self._context is None:
-            return None
-        return CONTEXT_STEP * round(self._context() / CONTEXT_STEP)
-
-    def costs(self, n_max: int) -> np.ndarray:  # [n_max]: a row's share of the call, n = k + 1
-        b, context = self._rows(), self._at_context()
-        got = self._memo.get((b, context, n_max))
-        if got is None:
-            got = self._memo[b, context, n_max] = _row_shares(self.surface, b, context, n_max,
-                                                              self.packs_tokens)
-        return got
-
-    def observe(self, n_tokens: int, seconds: float) -> None:
-        """Ignored (see the class docstring)."""
-
-    def draft_step(self, solo: float) -> float:
-        """A row's share of a drafted token's draft step: a draft model that batches its rows'
-        steps too (`draft`, its surface of one-token calls) runs one call d(B, 1) for the B
-        rows (at 4 rows the int4 draft of SmolLM2-135M takes 0.72x the fp32 target's call
-        there, against 0.45x alone); a draft of each row's own costs its step, `solo`."""
-        if self.draft is None:
-            return solo
-        b, context = self._rows(), self._at_context()
-        got = self._draft_memo.get((b, context))
-        if got is None:
-            got = self._draft_memo[b, context] = self.draft.cost(b, 1, context) / b
-        return got
-
-
-@functools.lru_cache(maxsize=4096)
-def _row_shares(surface: CostSurface, rows: int, context: int | None, n_max: int,
-                packs_tokens: bool) -> np.ndarray:  # [n_max], read-only
-    """`BatchCosts.costs`, kept across requests: each request prices with a BatchCosts of its
-    own, and every request of a model asks for the same few (rows, context) points."""
-    n = np.arange(1, n_max + 1)
-    tokens = rows * (n - 1) + 1 if packs_tokens else n
-    got = np.array([surface.cost(rows, int(t), context) for t in tokens]) / rows
-    got.flags.writeable = False
-    return got
 
 
 class AdaptiveDraftLength:

@@ -30,7 +30,8 @@ from ortspec.runtime import (
 from ortspec.runtime.batching.backend import ReferenceBatchBackend
 from ortspec.runtime.batching.runner import BatchRunner
 from ortspec.runtime.draft_length.calibration import CostCurve, CostSurface
-from ortspec.runtime.draft_length.policy import AcceptanceModel, AdaptiveDraftLength, BatchCosts
+from ortspec.runtime.draft_length.batch import BatchCorrection, BatchCosts
+from ortspec.runtime.draft_length.policy import AcceptanceModel, AdaptiveDraftLength
 from ortspec.runtime.errors import InvalidOptionError, NonFiniteLogitsError
 from ortspec.runtime.ort.graph_io import TOKEN_ROWS, call_width, logit_rows_for, token_rows_for
 from ortspec.runtime.decoding.sampling import DraftBlock
@@ -376,6 +377,65 @@ def test_under_load_a_row_deep_into_long_prompts_drafts_less():
     draft_costs = BatchCosts(surface, lambda: 8, context=lambda: context[0], draft=draft)
     context[0] = 1024
     assert draft_costs.draft_step(0.1) == pytest.approx(0.8 / 8)
+
+
+def test_the_runners_timed_calls_correct_how_dear_a_surface_says_drafts_are():
+    """Calls of one token a row set the base ratio r_b; calls with drafts whose extra tokens
+    cost 3x what the surface says set the excess ratio r_x = 3 (averaged over decaying weights
+    W = sum of 0.97^i, with 8 pseudo-calls at 1), and factor = r_x / r_b; a row's block then
+    costs that much more over a step, and the policy that drafted a block at the surface's
+    price stops."""
+    surface = CostSurface(rows=(1, 8), tokens=(1, 2, 4, 8, 16),
+                          seconds=((1.0, 1.1, 1.3, 1.7, 2.5), (2.0, 2.1, 2.3, 2.7, 3.5)))
+    correction = BatchCorrection(surface)
+    assert correction.factor == 1.0
+    correction.observe(8, 12, 256, 1.0)  # no base yet: a call with drafts teaches nothing
+    assert correction.factor == 1.0
+    for _ in range(10):
+        correction.observe(8, 8, 256, 2.0 * 1.5)  # the base runs 1.5x the surface: r_b = 1.5
+    extra = surface.cost(8, 5) - surface.cost(8, 1)  # 4 extra tokens: +0.4 by the surface
+    for _ in range(150):
+        correction.observe(8, 12, 256, 2.0 * 1.5 + 3.0 * extra)
+    w = sum(0.97 ** i for i in range(150))
+    expected = (8 + 3.0 * w) / (8 + w) / 1.5
+    assert correction.factor == pytest.approx(expected) and 1.7 < expected < 2.0
+    clipped, at_most = BatchCorrection(surface), BatchCorrection(surface)
+    for c, seconds in ((clipped, 1e6), (at_most, 2.0 * 1.5 + BatchCorrection.MAX_RATIO * extra)):
+        c.observe(8, 8, 256, 3.0)
+        c.observe(8, 12, 256, seconds)  # (a call held up by the scheduler: clipped)
+    assert clipped.factor == pytest.approx(at_most.factor)
+    costs = BatchCosts(surface, lambda: 8)
+    corrected = BatchCosts(surface, lambda: 8, correction=correction)
+    plain, priced = costs.costs(4), corrected.costs(4)
+    assert priced[0] == plain[0]  # a step is a step
+    np.testing.assert_allclose(priced - priced[0], correction.factor * (plain - plain[0]))
+    block = DraftBlock.points([1, 2, 3, 4], source="test", match_len=3)
+    chosen = []
+    for c in (costs, corrected):
+        policy = AdaptiveDraftLength(CostCurve((1.0,))).for_batch_row(c)
+        for i in range(60):  # half the blocks fully accepted, half rejected at once
+            policy.observe(block, 4, 4 if i % 2 else 0, 1)
+        chosen.append(policy.choose(block))
+    assert chosen[0] >= 1 and chosen[1] == 0
+
+
+def test_the_runner_tells_its_listener_of_every_decode_call():
+    backend = ReferenceBatchBackend(GREEDY, max_rows=2, max_call=8)
+    runner = BatchRunner(backend, max_verify_len=8, gather_seconds=0.5)
+    heard = []
+    runner.call_listener = lambda *call: heard.append(call)
+    rows = [runner.row() for _ in range(2)]
+    rows[0].prefill([1, 2, 3, 4, 5, 6])
+    rows[1].prefill([1, 2])
+    in_threads(lambda job: job(), [lambda: rows[0].forward_batch([7, 8, 9]),
+                                   lambda: rows[1].forward_token(3)])
+    rows[0].forward_token(10)
+    for row in rows:
+        row.release()
+    runner.close()
+    # prefill calls are not decode calls; the shared call's rows were 6 and 2 tokens long
+    assert [call[:3] for call in heard] == [(2, 4, 4), (1, 1, 9)]
+    assert all(call[3] > 0 for call in heard)
 
 
 def test_a_batched_draft_is_priced_at_the_rows_that_share_its_call():

@@ -1,0 +1,159 @@
+"""Pricing a block on a batched model: a row's share of the shared call it rides in.
+
+`BatchCosts` reads the measured cost surface c(rows, tokens, context)
+(`calibration.CostSurface`) at the rows decoding now and their mean context; `BatchCorrection`
+scales the surface's excess of a block over a step by what the runner's timed calls show. The
+draft-length policy (`policy.py`) prices with either these or, alone, its cost curve.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Callable
+
+import numpy as np
+
+from .calibration import CostSurface
+
+CONTEXT_STEP = 32  # BatchCosts prices the rows' mean context to this many tokens
+
+
+class BatchCorrection:
+    """How far a batched model's cost surface is off in use, learned from the runner's own
+    timed calls (`BatchRunner.call_listener`): a call's wall time there is the model call
+    alone, not a row's wait.
+
+    A call of B rows, T tokens in all, at a mean context L, took t seconds. One of a token a row
+    (T = B) shows the base ratio r_b = t / c(B, 1, L), a running average (BASE_ALPHA). One with
+    drafts shows the excess ratio
+
+        r_x = (t - r_b * c(B, 1, L)) / (c(B, T - B + 1, L) - c(B, 1, L))
+
+    (the surface's call puts the extra tokens in one row), averaged with decaying weights over
+    PRIOR_WEIGHT pseudo-calls at 1, each call's ratio clipped to [0, MAX_RATIO] so that one
+    call cut short by the scheduler cannot swing it. `factor` = r_x / r_b scales the surface's
+    excess of a block over a step (`BatchCosts`): what decides k is how dear the extra tokens
+    are against the call they ride in. Until a base call has been timed it is 1. One
+    correction serves every row of a model: its state is guarded by a lock."""
+
+    PRIOR_WEIGHT = 8.0
+    DECAY = 0.97  # per timed call with drafts: about the last 30 count
+    BASE_ALPHA = 0.1  # weight of the newest one-token-a-row call in r_b
+    MAX_RATIO = 4.0
+
+    def __init__(self, surface: CostSurface) -> None:
+        self.surface = surface
+        self._base: float | None = None  # r_b
+        self._observed = 0.0  # decayed sum of excess ratios
+        self._weight = 0.0  # decayed count of calls with drafts
+        self._lock = threading.Lock()
+
+    @property
+    def factor(self) -> float:
+        with self._lock:
+            if self._base is None:
+                return 1.0
+            excess = (self.PRIOR_WEIGHT + self._observed) / (self.PRIOR_WEIGHT + self._weight)
+            return excess / self._base
+
+    def observe(self, rows: int, tokens: int, context: int, seconds: float) -> None:
+        """A decode call of `rows` rows and `tokens` tokens at a mean context of `context`
+        took `seconds`."""
+        if not (seconds > 0 and rows >= 1 and tokens >= rows):
+            return
+        base, extra = _call_costs(self.surface, rows, tokens - rows,
+                                  CONTEXT_STEP * round(context / CONTEXT_STEP))
+        with self._lock:
+            if tokens == rows:
+                ratio = seconds / base
+                self._base = ratio if self._base is None else \
+                    self._base + self.BASE_ALPHA * (ratio - self._base)
+            elif self._base is not None and extra > 0:
+                ratio = min(self.MAX_RATIO, max(0.0, (seconds - self._base * base) / extra))
+                self._observed = self._observed * self.DECAY + ratio
+                self._weight = self._weight * self.DECAY + 1.0
+
+
+class BatchCosts:
+    """The costs of a row of a batched model (`batching.rows.BatchRow`), from the measured
+    surface c(B, t, L) at the number of rows decoding now, B, and their mean context, L
+    (`context`, to CONTEXT_STEP tokens; without it, the surface's first context).
+
+    A row's block is priced as if every row drafted alike, since under load they all run the
+    same policy: the call then carries B blocks of k + 1 tokens. On a graph that computes the
+    real tokens only (`packs_tokens`) that is B * k + 1 more tokens than a call of one token a
+    row, as dear as c(B, B * k + 1), the surface's call in which one row appends B * k + 1
+    tokens and the others one each (past the grid, its last slope); on a graph that computes
+    every row at the widest block it is c(B, k + 1). A row's share is that call over B, and
+    the tokens it emits are its own E(k): pricing a row's drafts against the
+    tokens the other rows emit anyway, as if they did not draft, made speculation look free
+    under load and run slower than plain decoding at 8 rows. Nothing is learned from a row's
+    timed calls, whose wall time includes waiting for the other rows; the runner's timed calls
+    (`correction`, a `BatchCorrection`) scale the excess of a block over a step. The context matters
+    because every drafted token attends over its row's cache: rows deep into long prompts make
+    drafts dearer than the surface's first context says, and a policy blind to it drafted at a
+    loss there."""
+
+    def __init__(self, surface: CostSurface, rows: Callable[[], int], *,
+                 context: Callable[[], int] | None = None, draft: CostSurface | None = None,
+                 packs_tokens: bool = True, correction: BatchCorrection | None = None) -> None:
+        self.surface, self._rows, self._context, self.draft = surface, rows, context, draft
+        self.packs_tokens = packs_tokens
+        self.correction = correction  # the surface's excess scaled as timed calls show
+        # (rows, context, n_max) -> costs, and (rows, context) -> the draft's d(B, 1) / B: the
+        # surfaces never change, and a row asks at every step
+        self._memo: dict[tuple[int, int | None, int], np.ndarray] = {}
+        self._draft_memo: dict[tuple[int, int | None], float] = {}
+
+    def _at_context(self) -> int | None:
+        """The rows' mean context to CONTEXT_STEP tokens; None where no context is followed."""
+        if self._context is None:
+            return None
+        return CONTEXT_STEP * round(self._context() / CONTEXT_STEP)
+
+    def costs(self, n_max: int) -> np.ndarray:  # [n_max]: a row's share of the call, n = k + 1
+        b, context = self._rows(), self._at_context()
+        got = self._memo.get((b, context, n_max))
+        if got is None:
+            got = self._memo[b, context, n_max] = _row_shares(self.surface, b, context, n_max,
+                                                              self.packs_tokens)
+        if self.correction is None:
+            return got
+        return got[0] + self.correction.factor * (got - got[0])
+
+    def observe(self, n_tokens: int, seconds: float) -> None:
+        """Ignored (see the class docstring)."""
+
+    def draft_step(self, solo: float) -> float:
+        """A row's share of a drafted token's draft step: a draft model that batches its rows'
+        steps too (`draft`, its surface of one-token calls) runs one call d(B, 1) for the B
+        rows (at 4 rows the int4 draft of SmolLM2-135M takes 0.72x the fp32 target's call
+        there, against 0.45x alone); a draft of each row's own costs its step, `solo`."""
+        if self.draft is None:
+            return solo
+        b, context = self._rows(), self._at_context()
+        got = self._draft_memo.get((b, context))
+        if got is None:
+            got = self._draft_memo[b, context] = self.draft.cost(b, 1, context) / b
+        return got
+
+
+@functools.lru_cache(maxsize=4096)
+def _call_costs(surface: CostSurface, rows: int, extra: int, context: int) -> tuple[float, float]:
+    """(c(B, 1, L), c(B, extra + 1, L) - c(B, 1, L)): a call of one token a row, and what
+    `extra` more tokens add to it, by the surface (for `BatchCorrection`, once per point)."""
+    base = surface.cost(rows, 1, context)
+    return base, surface.cost(rows, extra + 1, context) - base
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_shares(surface: CostSurface, rows: int, context: int | None, n_max: int,
+                packs_tokens: bool) -> np.ndarray:  # [n_max], read-only
+    """`BatchCosts.costs`, kept across requests: each request prices with a BatchCosts of its
+    own, and every request of a model asks for the same few (rows, context) points."""
+    n = np.arange(1, n_max + 1)
+    tokens = rows * (n - 1) + 1 if packs_tokens else n
+    got = np.array([surface.cost(rows, int(t), context) for t in tokens]) / rows
+    got.flags.writeable = False
+    return got
