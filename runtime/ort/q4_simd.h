@@ -250,34 +250,28 @@ static AVX2 INLINE void q8_tile256(int R, const Activations *a, int64_t r0, cons
 
 /* ---- every row of output tiles [t0, t1) --------------------------------------------------- */
 
-/* each kernel call takes a group of rows: ROWS512 (AVX-512: 16 accumulators and the 8 unpacked
- * weight registers fit its 32) or ROWS256 (AVX2: 2 x 4 accumulators of its 16), the last group
- * what is left */
+/* each kernel call takes a group of rows: ROWS512_Q4 or ROWS512 (AVX-512, its 32 registers
+ * holding the accumulators and the unpacked weights) or ROWS256 (AVX2: 2 x 4 accumulators of
+ * its 16), the last group what is left */
 #define ROW_GROUPS(STEP, CASES)                                                     \
     for (int64_t r = 0; r < a->rows; r += STEP) {                                  \
         int64_t left = a->rows - r;                                                \
         switch (left >= STEP ? STEP : left) { CASES }                              \
     }
 #define ROW_CASE(T, R, ...) case R: T(R, a, r, __VA_ARGS__); break;
-#define ROW_CASES_4(T, ...)                                                        \
-    ROW_GROUPS(ROWS256, ROW_CASE(T, 4, __VA_ARGS__) ROW_CASE(T, 3, __VA_ARGS__)     \
-               ROW_CASE(T, 2, __VA_ARGS__) default: T(1, a, r, __VA_ARGS__); break;)
-#define ROW_CASES_12(T, ...)                                                       \
-    ROW_GROUPS(ROWS512_Q4, ROW_CASE(T, 12, __VA_ARGS__) ROW_CASE(T, 11, __VA_ARGS__) \
-               ROW_CASE(T, 10, __VA_ARGS__) ROW_CASE(T, 9, __VA_ARGS__)             \
-               ROW_CASE(T, 8, __VA_ARGS__) ROW_CASE(T, 7, __VA_ARGS__)              \
-               ROW_CASE(T, 6, __VA_ARGS__) ROW_CASE(T, 5, __VA_ARGS__)              \
-               ROW_CASE(T, 4, __VA_ARGS__) ROW_CASE(T, 3, __VA_ARGS__)              \
-               ROW_CASE(T, 2, __VA_ARGS__) default: T(1, a, r, __VA_ARGS__); break;)
+#define ROW_CASES_UP_TO_4(T, ...)                                                  \
+    ROW_CASE(T, 4, __VA_ARGS__) ROW_CASE(T, 3, __VA_ARGS__) ROW_CASE(T, 2, __VA_ARGS__) \
+    default: T(1, a, r, __VA_ARGS__); break;
+#define ROW_CASES_UP_TO_12(T, ...)                                                 \
+    ROW_CASE(T, 12, __VA_ARGS__) ROW_CASE(T, 11, __VA_ARGS__) ROW_CASE(T, 10, __VA_ARGS__) \
+    ROW_CASE(T, 9, __VA_ARGS__) ROW_CASE(T, 8, __VA_ARGS__) ROW_CASE(T, 7, __VA_ARGS__)    \
+    ROW_CASE(T, 6, __VA_ARGS__) ROW_CASE(T, 5, __VA_ARGS__) ROW_CASES_UP_TO_4(T, __VA_ARGS__)
+#define ROW_CASES_4(T, ...) ROW_GROUPS(ROWS256, ROW_CASES_UP_TO_4(T, __VA_ARGS__))
+#define ROW_CASES_12(T, ...) ROW_GROUPS(ROWS512_Q4, ROW_CASES_UP_TO_12(T, __VA_ARGS__))
 #define ROW_CASES_16(T, ...)                                                       \
     ROW_GROUPS(ROWS512, ROW_CASE(T, 16, __VA_ARGS__) ROW_CASE(T, 15, __VA_ARGS__)   \
                ROW_CASE(T, 14, __VA_ARGS__) ROW_CASE(T, 13, __VA_ARGS__)            \
-               ROW_CASE(T, 12, __VA_ARGS__) ROW_CASE(T, 11, __VA_ARGS__)            \
-               ROW_CASE(T, 10, __VA_ARGS__) ROW_CASE(T, 9, __VA_ARGS__)             \
-               ROW_CASE(T, 8, __VA_ARGS__) ROW_CASE(T, 7, __VA_ARGS__)              \
-               ROW_CASE(T, 6, __VA_ARGS__) ROW_CASE(T, 5, __VA_ARGS__)              \
-               ROW_CASE(T, 4, __VA_ARGS__) ROW_CASE(T, 3, __VA_ARGS__)              \
-               ROW_CASE(T, 2, __VA_ARGS__) default: T(1, a, r, __VA_ARGS__); break;)
+               ROW_CASES_UP_TO_12(T, __VA_ARGS__))
 
 static AVX512 void q4_tiles512(const Activations *a, const uint8_t *q, const uint16_t *d,
                                const uint16_t *m, float *y, int64_t t0, int64_t t1) {
