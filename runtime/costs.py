@@ -79,7 +79,8 @@ class ModelCosts:
                     lambda backend, floors: calibrated_cost_surface(
                         backend, key, max_len=runner.max_verify_len, floors=floors,
                         refresh=refresh))
-                self.batch_correction = BatchCorrection(self.surface)
+                self.batch_correction = BatchCorrection(
+                    self.surface, packs_tokens=runner.backend.packs_tokens)
                 runner.call_listener = self.batch_correction.observe
             policy = AdaptiveDraftLength(curve)
             self._measure_draft(policy, refresh=refresh)

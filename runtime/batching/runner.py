@@ -40,6 +40,7 @@ that many padding tokens.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 import weakref
@@ -61,6 +62,8 @@ WAIT_FRACTION = 0.5  # ... and the most, as a fraction of a recent batched call'
 CALL_ALPHA = 0.2  # weight of the newest call in that recent duration
 BATCH_PREFILL_TOKENS = 128  # prompt tokens one prefill call reads, of all rows (the others decode)
 IDLE_SECONDS = 1.0  # an idle runner thread checks this often whether its model is still used
+
+log = logging.getLogger("ortspec.batching")
 
 
 class BatchRunner:
@@ -92,9 +95,10 @@ class BatchRunner:
         self._free_since = time.monotonic()  # when the runner's last call ended
         self._thread: threading.Thread | None = None
         self._closed = False
-        # told of every decode call, on the runner's thread: its rows, tokens in all, the rows'
-        # mean context before it, and its seconds (the draft-length policy's BatchCorrection)
-        self.call_listener: Callable[[int, int, int, float], None] | None = None
+        # told of every decode call, on the runner's thread, by keyword: rows (with a job),
+        # span (rows the call covers), tokens (in all), widest (block), context (the rows'
+        # mean length before it) and seconds (the draft-length policy's BatchCorrection)
+        self.call_listener: Callable[..., None] | None = None
 
     @property
     def active_rows(self) -> int:
@@ -104,10 +108,11 @@ class BatchRunner:
 
     @property
     def active_context(self) -> int:
-        """The mean valid length of the rows decoding now (0 with none): the context a row's
-        draft-length policy prices a call at."""
+        """The mean valid length of the rows that hold a row of the pool (0 with none): the
+        context a row's draft-length policy prices a call at (a row that has just read its
+        prompt counts before its first decode job)."""
         with self._cond:
-            rows = list(self._decoding)
+            rows = [r for r in self._slots if r is not None]
         return sum(r.length for r in rows) // len(rows) if rows else 0
 
     def row(self) -> "BatchRow":
@@ -424,7 +429,12 @@ class BatchRunner:
                 row.length += n
             job.done.set()
         if self.call_listener is not None:  # (after the rows have their results)
-            self.call_listener(len(jobs), int(take.size), int(context), seconds)
+            try:
+                self.call_listener(rows=len(jobs), span=hi, tokens=int(take.size),
+                                   widest=max(j.tokens.size for j in jobs),
+                                   context=int(context), seconds=seconds)
+            except Exception:  # noqa: BLE001 - a listener's fault must not stop the runner
+                log.exception("the batch runner's call listener failed")
 
     def _hidden(self) -> np.ndarray | None:
         """The last call's hidden states [N, K * hidden], rows as its logits'; None where the

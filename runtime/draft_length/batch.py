@@ -24,26 +24,33 @@ class BatchCorrection:
     timed calls (`BatchRunner.call_listener`): a call's wall time there is the model call
     alone, not a row's wait.
 
-    A call of B rows, T tokens in all, at a mean context L, took t seconds. One of a token a row
-    (T = B) shows the base ratio r_b = t / c(B, 1, L), a running average (BASE_ALPHA). One with
-    drafts shows the excess ratio
+    A decode call took t seconds at a mean context L. Where the graph computes the real tokens
+    only (`packs_tokens`), its B rows carrying T tokens in all are the surface's call
+    c(B, T - B + 1, L) (which puts the extra tokens in one row); where it computes every row of
+    the span it covers at the widest block W, c(span, W, L). A call of one token a row shows the
+    base ratio r_b = t / c(B, 1, L), a running average (BASE_ALPHA); one with drafts the
+    excess ratio
 
-        r_x = (t - r_b * c(B, 1, L)) / (c(B, T - B + 1, L) - c(B, 1, L))
+        r_x = (t - r_b * c(B, 1, L)) / (c(call) - c(B, 1, L)),
 
-    (the surface's call puts the extra tokens in one row), averaged with decaying weights over
-    PRIOR_WEIGHT pseudo-calls at 1, each call's ratio clipped to [0, MAX_RATIO] so that one
-    call cut short by the scheduler cannot swing it. `factor` = r_x / r_b scales the surface's
-    excess of a block over a step (`BatchCosts`): what decides k is how dear the extra tokens
-    are against the call they ride in. Until a base call has been timed it is 1. One
-    correction serves every row of a model: its state is guarded by a lock."""
+    averaged with decaying weights (DECAY) over PRIOR_WEIGHT pseudo-calls at r_b (no evidence:
+    the extra tokens are off as the base is), each call's ratio clipped to [0, MAX_RATIO] so
+    that one call held up by the scheduler cannot swing it. `factor` = r_x / r_b scales the
+    surface's excess of a block over a step (`BatchCosts`): what decides k is how dear the
+    extra tokens are against the call they ride in. Calls without drafts age the excess
+    evidence too (IDLE_DECAY), so a factor that stopped every draft returns to 1 with time.
+    Until a base call has been timed it is 1. One correction serves every row of a model: its
+    state is guarded by a lock."""
 
     PRIOR_WEIGHT = 8.0
     DECAY = 0.97  # per timed call with drafts: about the last 30 count
+    IDLE_DECAY = 0.998  # per call without: half the evidence is gone after about 350
     BASE_ALPHA = 0.1  # weight of the newest one-token-a-row call in r_b
     MAX_RATIO = 4.0
 
-    def __init__(self, surface: CostSurface) -> None:
+    def __init__(self, surface: CostSurface, *, packs_tokens: bool = True) -> None:
         self.surface = surface
+        self.packs_tokens = packs_tokens
         self._base: float | None = None  # r_b
         self._observed = 0.0  # decayed sum of excess ratios
         self._weight = 0.0  # decayed count of calls with drafts
@@ -54,21 +61,29 @@ class BatchCorrection:
         with self._lock:
             if self._base is None:
                 return 1.0
-            excess = (self.PRIOR_WEIGHT + self._observed) / (self.PRIOR_WEIGHT + self._weight)
+            excess = (self.PRIOR_WEIGHT * self._base + self._observed) / \
+                (self.PRIOR_WEIGHT + self._weight)
             return excess / self._base
 
-    def observe(self, rows: int, tokens: int, context: int, seconds: float) -> None:
-        """A decode call of `rows` rows and `tokens` tokens at a mean context of `context`
-        took `seconds`."""
-        if not (seconds > 0 and rows >= 1 and tokens >= rows):
+    def observe(self, *, rows: int, span: int, tokens: int, widest: int, context: int,
+                seconds: float) -> None:
+        """A decode call took `seconds`: `rows` rows with a block each, `tokens` tokens in all,
+        the widest block `widest` tokens, over `span` rows of the pool (the others riding
+        along), at a mean context of `context`."""
+        if not (seconds > 0 and 1 <= rows <= span and tokens >= rows and widest >= 1):
             return
-        base, extra = _call_costs(self.surface, rows, tokens - rows,
-                                  CONTEXT_STEP * round(context / CONTEXT_STEP))
+        at = CONTEXT_STEP * round(context / CONTEXT_STEP)
+        if self.packs_tokens:
+            plain, base, extra = tokens == rows, *_call_costs(self.surface, rows, tokens - rows, at)
+        else:
+            plain, base, extra = widest == 1, *_call_costs(self.surface, span, widest - 1, at)
         with self._lock:
-            if tokens == rows:
+            if plain:
                 ratio = seconds / base
                 self._base = ratio if self._base is None else \
                     self._base + self.BASE_ALPHA * (ratio - self._base)
+                self._observed *= self.IDLE_DECAY
+                self._weight *= self.IDLE_DECAY
             elif self._base is not None and extra > 0:
                 ratio = min(self.MAX_RATIO, max(0.0, (seconds - self._base * base) / extra))
                 self._observed = self._observed * self.DECAY + ratio
@@ -101,10 +116,6 @@ class BatchCosts:
         self.surface, self._rows, self._context, self.draft = surface, rows, context, draft
         self.packs_tokens = packs_tokens
         self.correction = correction  # the surface's excess scaled as timed calls show
-        # (rows, context, n_max) -> costs, and (rows, context) -> the draft's d(B, 1) / B: the
-        # surfaces never change, and a row asks at every step
-        self._memo: dict[tuple[int, int | None, int], np.ndarray] = {}
-        self._draft_memo: dict[tuple[int, int | None], float] = {}
 
     def _at_context(self) -> int | None:
         """The rows' mean context to CONTEXT_STEP tokens; None where no context is followed."""
@@ -113,11 +124,8 @@ class BatchCosts:
         return CONTEXT_STEP * round(self._context() / CONTEXT_STEP)
 
     def costs(self, n_max: int) -> np.ndarray:  # [n_max]: a row's share of the call, n = k + 1
-        b, context = self._rows(), self._at_context()
-        got = self._memo.get((b, context, n_max))
-        if got is None:
-            got = self._memo[b, context, n_max] = _row_shares(self.surface, b, context, n_max,
-                                                              self.packs_tokens)
+        got = _row_shares(self.surface, self._rows(), self._at_context(), n_max,
+                          self.packs_tokens)
         if self.correction is None:
             return got
         return got[0] + self.correction.factor * (got - got[0])
@@ -132,11 +140,7 @@ class BatchCosts:
         there, against 0.45x alone); a draft of each row's own costs its step, `solo`."""
         if self.draft is None:
             return solo
-        b, context = self._rows(), self._at_context()
-        got = self._draft_memo.get((b, context))
-        if got is None:
-            got = self._draft_memo[b, context] = self.draft.cost(b, 1, context) / b
-        return got
+        return _draft_share(self.draft, self._rows(), self._at_context())
 
 
 @functools.lru_cache(maxsize=4096)
@@ -145,6 +149,12 @@ def _call_costs(surface: CostSurface, rows: int, extra: int, context: int) -> tu
     `extra` more tokens add to it, by the surface (for `BatchCorrection`, once per point)."""
     base = surface.cost(rows, 1, context)
     return base, surface.cost(rows, extra + 1, context) - base
+
+
+@functools.lru_cache(maxsize=4096)
+def _draft_share(draft: CostSurface, rows: int, context: int | None) -> float:
+    """`BatchCosts.draft_step` of a batched draft, kept across requests."""
+    return draft.cost(rows, 1, context) / rows
 
 
 @functools.lru_cache(maxsize=4096)

@@ -21,7 +21,6 @@ from ..ort.graph_io import call_width
 from ..ort.machine import cpu_model
 from ..paths import cache_root
 from ..decoding.protocols import Decoder
-from ..errors import InvalidOptionError
 
 T = TypeVar("T")
 
@@ -240,7 +239,7 @@ class CostSurface:
     `seconds` is the grid at `context` tokens; `long_seconds`, where measured, the same grid at
     `long_context`. Between and beyond the two the cost is linear in the context (each token's
     attention reads every earlier one: at 8 rows of the default model's window export an extra
-    token costs about 1 ms at 256 tokens and 1.6 ms at 1000), falling below `context` to
+    token costs about 1 ms at 256 tokens and 1.6-2 ms at 1024), falling below `context` to
     LEAST_CONTEXT_SHARE of the cost there at most."""
 
     rows: tuple[int, ...]
@@ -252,7 +251,7 @@ class CostSurface:
 
     def __post_init__(self) -> None:
         if self.long_seconds is not None and self.long_context <= self.context:
-            raise InvalidOptionError(f"long_context ({self.long_context}) must exceed context "
+            raise ValueError(f"long_context ({self.long_context}) must exceed context "
                              f"({self.context})")
 
     def cost(self, rows: int, tokens: int, context: int | None = None) -> float:
@@ -285,7 +284,9 @@ class CostSurface:
         capacity less the widest call), the grid interleaved so the machine's drift hits it
         alike; median per point, made non-decreasing along both axes and from the first
         context to the second. `floors` [max_rows]: lengths of caches in use, which the timed
-        calls write past, never into (a row at its floor + max_len fits)."""
+        calls write past, never into (a row at its floor + max_len fits); the surface's
+        contexts are the mean lengths the calls ran at, and a second one no longer than the
+        first is left out."""
         rows = tuple(r for r in SURFACE_ROWS if r < backend.max_rows) + (backend.max_rows,)
         tokens = tuple(t for t in SURFACE_TOKENS if t < max_len) + (max_len,)
         rows, tokens = tuple(sorted(set(rows))), tuple(sorted(set(tokens)))
@@ -316,9 +317,12 @@ class CostSurface:
         med = np.maximum.accumulate(np.maximum.accumulate(np.maximum.accumulate(
             med, axis=0), axis=1), axis=2)
         grids = [tuple(tuple(float(x) for x in line) for line in at) for at in med]
-        if len(grids) == 1:
-            return cls(rows, tokens, grids[0], context)
-        return cls(rows, tokens, grids[0], context, grids[1], long_context)
+        # each grid is labelled with the mean length its calls ran at: rows whose floors lie
+        # above a context ran at their floors
+        ran = [int(round(float(lengths[c].mean()))) for c in contexts]
+        if len(grids) == 1 or ran[1] <= ran[0]:
+            return cls(rows, tokens, grids[0], ran[0])
+        return cls(rows, tokens, grids[0], ran[0], grids[1], ran[1])
 
 
 def _at(xs: Sequence[int], ys: Sequence[float], x: int) -> float:

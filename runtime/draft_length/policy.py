@@ -38,7 +38,6 @@ from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
-from .batch import BatchCosts
 from .calibration import CostCurve
 from ..decoding.sampling import DraftBlock
 
@@ -263,7 +262,7 @@ class AdaptiveDraftLength:
             acceptance=self.acceptance.for_request(), learn_costs=self.learn_costs,
             correction=self.correction, chosen=self.chosen)
 
-    def for_batch_row(self, costs: BatchCosts) -> "AdaptiveDraftLength":
+    def for_batch_row(self, costs: CallCosts) -> "AdaptiveDraftLength":
         """A policy for one request on a batched model: this one's shared acceptance estimates
         and report, the batch's costs."""
         return AdaptiveDraftLength(

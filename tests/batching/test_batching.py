@@ -343,7 +343,7 @@ def test_a_surface_is_linear_in_the_context_between_and_beyond_its_two():
     assert steep.cost(1, 1, 0) == 0.25  # ... and never below a quarter of the first context's
     without = CostSurface(rows=(1,), tokens=(1,), seconds=((1.0,),))
     assert without.cost(1, 1, 4096) == 1.0  # measured at one context: that one's
-    with pytest.raises(InvalidOptionError, match="long_context"):
+    with pytest.raises(ValueError, match="long_context"):
         CostSurface(rows=(1,), tokens=(1,), seconds=((1.0,),), context=256,
                     long_seconds=((2.0,),), long_context=256)
 
@@ -382,28 +382,46 @@ def test_under_load_a_row_deep_into_long_prompts_drafts_less():
 def test_the_runners_timed_calls_correct_how_dear_a_surface_says_drafts_are():
     """Calls of one token a row set the base ratio r_b; calls with drafts whose extra tokens
     cost 3x what the surface says set the excess ratio r_x = 3 (averaged over decaying weights
-    W = sum of 0.97^i, with 8 pseudo-calls at 1), and factor = r_x / r_b; a row's block then
+    W = sum of 0.97^i, with 8 pseudo-calls at r_b), and factor = r_x / r_b; a row's block then
     costs that much more over a step, and the policy that drafted a block at the surface's
-    price stops."""
+    price stops. Calls without drafts age that evidence back towards 1."""
     surface = CostSurface(rows=(1, 8), tokens=(1, 2, 4, 8, 16),
                           seconds=((1.0, 1.1, 1.3, 1.7, 2.5), (2.0, 2.1, 2.3, 2.7, 3.5)))
+    def call(c: BatchCorrection, tokens: int, seconds: float) -> None:  # 8 rows, packed
+        c.observe(rows=8, span=8, tokens=tokens, widest=tokens - 7, context=256,
+                  seconds=seconds)
+
     correction = BatchCorrection(surface)
     assert correction.factor == 1.0
-    correction.observe(8, 12, 256, 1.0)  # no base yet: a call with drafts teaches nothing
+    call(correction, 12, 1.0)  # no base yet: a call with drafts teaches nothing
     assert correction.factor == 1.0
-    for _ in range(10):
-        correction.observe(8, 8, 256, 2.0 * 1.5)  # the base runs 1.5x the surface: r_b = 1.5
+    call(correction, 8, 2.0 * 1.5)  # the base runs 1.5x the surface: r_b = 1.5 ...
+    assert correction.factor == 1.0  # ... and so, without evidence, do the extra tokens
     extra = surface.cost(8, 5) - surface.cost(8, 1)  # 4 extra tokens: +0.4 by the surface
     for _ in range(150):
-        correction.observe(8, 12, 256, 2.0 * 1.5 + 3.0 * extra)
+        call(correction, 12, 2.0 * 1.5 + 3.0 * extra)
     w = sum(0.97 ** i for i in range(150))
-    expected = (8 + 3.0 * w) / (8 + w) / 1.5
-    assert correction.factor == pytest.approx(expected) and 1.7 < expected < 2.0
+    expected = (8 * 1.5 + 3.0 * w) / (8 + w) / 1.5
+    assert correction.factor == pytest.approx(expected) and 1.8 < expected < 2.0
     clipped, at_most = BatchCorrection(surface), BatchCorrection(surface)
     for c, seconds in ((clipped, 1e6), (at_most, 2.0 * 1.5 + BatchCorrection.MAX_RATIO * extra)):
-        c.observe(8, 8, 256, 3.0)
-        c.observe(8, 12, 256, seconds)  # (a call held up by the scheduler: clipped)
+        call(c, 8, 3.0)
+        call(c, 12, seconds)  # (a call held up by the scheduler: clipped)
     assert clipped.factor == pytest.approx(at_most.factor)
+    aged = BatchCorrection(surface)
+    call(aged, 8, 3.0)
+    for _ in range(30):
+        call(aged, 12, 3.0 + 3.0 * extra)
+    before = aged.factor
+    for _ in range(3000):  # 0.998^3000: 0.25% of the evidence left
+        call(aged, 8, 3.0)
+    assert before > 1.5 and 1.0 <= aged.factor < 1.0 + (before - 1.0) * 0.05
+    # a graph that computes every row at the widest block prices the call at (span, widest)
+    padded = BatchCorrection(surface, packs_tokens=False)
+    padded.observe(rows=2, span=8, tokens=8, widest=1, context=256, seconds=3.0)
+    padded.observe(rows=2, span=8, tokens=9, widest=4, context=256,
+                   seconds=3.0 + 3.0 * (surface.cost(8, 4) - surface.cost(8, 1)))
+    assert padded.factor == pytest.approx((8 * 1.5 + 3.0) / (8 + 1) / 1.5)
     costs = BatchCosts(surface, lambda: 8)
     corrected = BatchCosts(surface, lambda: 8, correction=correction)
     plain, priced = costs.costs(4), corrected.costs(4)
@@ -423,19 +441,41 @@ def test_the_runner_tells_its_listener_of_every_decode_call():
     backend = ReferenceBatchBackend(GREEDY, max_rows=2, max_call=8)
     runner = BatchRunner(backend, max_verify_len=8, gather_seconds=0.5)
     heard = []
-    runner.call_listener = lambda *call: heard.append(call)
+    runner.call_listener = lambda **call: heard.append(call)
     rows = [runner.row() for _ in range(2)]
     rows[0].prefill([1, 2, 3, 4, 5, 6])
     rows[1].prefill([1, 2])
+    assert not heard  # prefill calls are not decode calls
+    assert runner.active_context == 4  # rows that have read their prompts count at once
+    in_threads(lambda row: row.forward_token(3), rows)  # both rows now decode
+    assert heard and all(call["seconds"] > 0 for call in heard)
+    heard.clear()  # (one call or two: the rows joined the runner at their own times)
+    # both rows decoding: the runner waits for both, so the next blocks share one call
     in_threads(lambda job: job(), [lambda: rows[0].forward_batch([7, 8, 9]),
                                    lambda: rows[1].forward_token(3)])
+    rows[1].release()
     rows[0].forward_token(10)
-    for row in rows:
-        row.release()
+    rows[0].release()
     runner.close()
-    # prefill calls are not decode calls; the shared call's rows were 6 and 2 tokens long
-    assert [call[:3] for call in heard] == [(2, 4, 4), (1, 1, 9)]
-    assert all(call[3] > 0 for call in heard)
+    assert [{k: v for k, v in call.items() if k != "seconds"} for call in heard] == [
+        dict(rows=2, span=2, tokens=4, widest=3, context=5),  # rows of 7 and 3 tokens
+        dict(rows=1, span=1, tokens=1, widest=1, context=10)]
+    assert all(call["seconds"] > 0 for call in heard)
+
+
+def test_a_failing_call_listener_leaves_the_runner_serving():
+    runner = BatchRunner(ReferenceBatchBackend(GREEDY, max_rows=1, max_call=8), max_verify_len=8)
+
+    def broken(**call):
+        raise RuntimeError("listener bug")
+
+    runner.call_listener = broken
+    row = runner.row()
+    row.prefill([1, 2, 3])
+    first = row.forward_token(4)
+    assert row.forward_token(5).shape == first.shape  # the runner still serves
+    row.release()
+    runner.close()
 
 
 def test_a_batched_draft_is_priced_at_the_rows_that_share_its_call():
@@ -498,8 +538,8 @@ def test_cost_surface_measured_on_a_backend_is_monotone_and_writes_past_the_floo
     surface = CostSurface.measure(backend, max_len=8, floors=floors, context=10,
                                   long_context=25, repeats=1)
     assert surface.rows == (1, 2, 3) and surface.tokens == (1, 2, 4, 8)
-    # the first context is under the floors: its calls run at the floors
-    assert surface.context == 10 and surface.long_context == 25
+    # the first context is under the floors: its calls ran at the floors, and say so
+    assert surface.context == 20 and surface.long_context == 25
     assert len(backend.calls) == 2 * 2 * 3 * 4  # two contexts, two rounds, 3 x 4 points
     near, far = np.asarray(surface.seconds), np.asarray(surface.long_seconds)
     assert (far >= near).all() and (np.diff(far, axis=0) >= 0).all() \

@@ -1,12 +1,16 @@
 """The cost-model draft length: hand-worked choices, learning, calibration."""
 
+import types
+
 import numpy as np
 import pytest
 
 from ortspec.runtime import DraftBlock, PromptLookupSpeculator, ReferenceConfig, ReferenceDecoder, SpeculativeOptions
 from ortspec.runtime import plain_decode, speculative_decode_with
+from ortspec.runtime.ort import kernels
 from ortspec.runtime.draft_length.calibration import CalibrationKey, CostCurve, calibrated_cost_curve, \
     calibrated_step_ratio
+from ortspec.runtime.costs import calibration_key
 from ortspec.runtime.draft_length.policy import AcceptanceModel, AdaptiveDraftLength, expected_tokens
 
 CPU_LIKE = CostCurve((1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8))  # c(n) = 0.9 + 0.1 n
@@ -117,6 +121,12 @@ def test_new_kernels_are_measured_anew():
                 for digest in ("11" * 32, "22" * 32))
     assert old.file_name() != new.file_name() and "kernels" + "1" * 12 in old.file_name()
     assert "kernels" not in CalibrationKey("/m/model", "ab" * 8).file_name()
+    # ... and a loaded model's key carries the library it runs on
+    sessions = types.SimpleNamespace(model_dir="/m/model", graph_digest="ab" * 8,
+                                     providers=["CPUExecutionProvider"], intra_op_threads=2,
+                                     min_call_rows=1)
+    assert calibration_key(sessions).kernels == kernels.library_digest()
+    assert kernels.library_digest() == "" or len(kernels.library_digest()) == 64
 
 
 def test_a_verify_slower_than_calibrated_is_learned_and_drafting_stops_paying():
