@@ -400,7 +400,6 @@ class BatchRunner:
             if job is not None:  # (a row without a job rides along on zeros, written past
                 _pad_into(ids[i], job.tokens)  # its valid length and never read)
         self.stats.record(rows=len(jobs), width=s, padded=hi - len(jobs))
-        context = lengths[order].sum() // len(order)  # the jobs' rows' mean, before the call
         try:
             t0 = time.perf_counter()
             # the jobs' own tokens are the positions computed: padding and rows riding along
@@ -432,7 +431,8 @@ class BatchRunner:
             try:
                 self.call_listener(rows=len(jobs), span=hi, tokens=int(take.size),
                                    widest=max(j.tokens.size for j in jobs),
-                                   context=int(context), seconds=seconds)
+                                   context=int(lengths[order].sum()) // len(order),
+                                   seconds=seconds)
             except Exception:  # noqa: BLE001 - a listener's fault must not stop the runner
                 log.exception("the batch runner's call listener failed")
 

@@ -19,6 +19,11 @@ from .calibration import CostSurface
 CONTEXT_STEP = 32  # BatchCosts prices the rows' mean context to this many tokens
 
 
+def _to_step(context: int) -> int:
+    """`context` to CONTEXT_STEP tokens: the few points the cached costs are kept at."""
+    return CONTEXT_STEP * round(context / CONTEXT_STEP)
+
+
 class BatchCorrection:
     """How far a batched model's cost surface is off in use, learned from the runner's own
     timed calls (`BatchRunner.call_listener`): a call's wall time there is the model call
@@ -72,11 +77,11 @@ class BatchCorrection:
         along), at a mean context of `context`."""
         if not (seconds > 0 and 1 <= rows <= span and tokens >= rows and widest >= 1):
             return
-        at = CONTEXT_STEP * round(context / CONTEXT_STEP)
+        at = _to_step(context)
         if self.packs_tokens:
-            plain, base, extra = tokens == rows, *_call_costs(self.surface, rows, tokens - rows, at)
+            plain, (base, extra) = tokens == rows, _call_costs(self.surface, rows, tokens - rows, at)
         else:
-            plain, base, extra = widest == 1, *_call_costs(self.surface, span, widest - 1, at)
+            plain, (base, extra) = widest == 1, _call_costs(self.surface, span, widest - 1, at)
         with self._lock:
             if plain:
                 ratio = seconds / base
@@ -105,10 +110,10 @@ class BatchCosts:
     tokens the other rows emit anyway, as if they did not draft, made speculation look free
     under load and run slower than plain decoding at 8 rows. Nothing is learned from a row's
     timed calls, whose wall time includes waiting for the other rows; the runner's timed calls
-    (`correction`, a `BatchCorrection`) scale the excess of a block over a step. The context matters
-    because every drafted token attends over its row's cache: rows deep into long prompts make
-    drafts dearer than the surface's first context says, and a policy blind to it drafted at a
-    loss there."""
+    (`correction`, a `BatchCorrection`) scale the excess of a block over a step. The context
+    matters because every drafted token attends over its row's cache: rows deep into long
+    prompts make drafts dearer than the surface's first context says, and a policy blind to it
+    drafted at a loss there."""
 
     def __init__(self, surface: CostSurface, rows: Callable[[], int], *,
                  context: Callable[[], int] | None = None, draft: CostSurface | None = None,
@@ -119,9 +124,7 @@ class BatchCosts:
 
     def _at_context(self) -> int | None:
         """The rows' mean context to CONTEXT_STEP tokens; None where no context is followed."""
-        if self._context is None:
-            return None
-        return CONTEXT_STEP * round(self._context() / CONTEXT_STEP)
+        return None if self._context is None else _to_step(self._context())
 
     def costs(self, n_max: int) -> np.ndarray:  # [n_max]: a row's share of the call, n = k + 1
         got = _row_shares(self.surface, self._rows(), self._at_context(), n_max,
@@ -144,7 +147,8 @@ class BatchCosts:
 
 
 @functools.lru_cache(maxsize=4096)
-def _call_costs(surface: CostSurface, rows: int, extra: int, context: int) -> tuple[float, float]:
+def _call_costs(surface: CostSurface, rows: int, extra: int,
+                context: int) -> tuple[float, float]:
     """(c(B, 1, L), c(B, extra + 1, L) - c(B, 1, L)): a call of one token a row, and what
     `extra` more tokens add to it, by the surface (for `BatchCorrection`, once per point)."""
     base = surface.cost(rows, 1, context)

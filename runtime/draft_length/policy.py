@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Callable, Iterator, Protocol
+from typing import Iterator, Protocol
 
 import numpy as np
 

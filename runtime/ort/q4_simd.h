@@ -33,8 +33,8 @@
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 #define INLINE __attribute__((always_inline)) inline
 
-static AVX2 void quantize_rows(const float *x, int64_t rows, int64_t k, int64_t stride, int8_t *qx, float *sx,
-                               float *bx, int32_t *ix, float *qs) {
+static AVX2 void quantize_rows(const float *x, int64_t rows, int64_t k, int64_t stride,
+                               int8_t *qx, float *sx, float *bx, int32_t *ix, float *qs) {
     int64_t nb = k / QK;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t r = 0; r < rows; r++)
@@ -132,7 +132,7 @@ static AVX2 INLINE void q4_tile256(int R, const Activations *a, int64_t r0, cons
     const int64_t nb = a->k / QK, stride = a->stride;
     const int8_t *qx = a->qx + r0 * stride;
     const float *sx = a->sx + r0 * nb, *bx = a->bx + r0 * nb, *qs = a->qs + r0 * nb;
-    __m256 acc[2][4];
+    __m256 acc[2][ROWS256];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -214,7 +214,7 @@ static AVX2 INLINE void q8_tile256(int R, const Activations *a, int64_t r0, cons
     const int64_t nb = a->k / QK, stride = a->stride;
     const int8_t *qx = a->qx + r0 * stride;
     const float *sx = a->sx + r0 * nb;
-    __m256 acc[2][4];
+    __m256 acc[2][ROWS256];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
