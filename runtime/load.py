@@ -52,10 +52,12 @@ def load_model(
     `batch`: decode concurrent requests in shared calls (`ortspec.runtime.batching.runner`); None
     (default) does when the graph takes several rows (manifest `max_batch` > 1: an export with
     `--attention window`) and `max_concurrent` > 1. The rows are then at most `max_batch`.
-    `prefix_cache_mib`: a batching model keeps the keys and values of recent prompts, up to
-    this many MiB (and as many again for a batched draft), and copies them into a new request
-    that starts with the same tokens (a shared system prompt, a conversation's earlier turns)
-    instead of computing them (`ortspec.runtime.batching.prefix_cache`); 0 turns it off.
+    `prefix_cache_mib`: the model keeps the keys and values of recent prompts, up to this many
+    MiB (and as many again for a batched draft), and copies them into a new request that
+    starts with the same tokens (a shared system prompt, a conversation's earlier turns)
+    instead of computing them (`ortspec.runtime.batching.prefix_cache`); 0 turns it off. A
+    model that decodes each request on calls of its own keeps them only where its graph
+    computes a position alike in any call (`Manifest.rows_exact`: the int4 exports).
     `calibrate`: make the cost model now (`Model.prepare`: read or measure the cost curve), not
     on the first request that needs it.
     """

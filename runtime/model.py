@@ -38,7 +38,7 @@ from .ort import manifest as mf
 from .batching.backend import OrtBatchBackend
 from .batching.rows import BatchRow
 from .batching.runner import BatchRunner
-from .batching.prefix_cache import DEFAULT_PREFIX_CACHE_MIB, MIB
+from .batching.prefix_cache import DEFAULT_PREFIX_CACHE_MIB, MIB, SharedPrefixCache
 from .decoding.options import SpeculativeDecodeResult, SpeculativeOptions
 from .draft_length.policy import AdaptiveDraftLength
 from .drafters import NEEDS_DRAFT_HEAD, NEEDS_DRAFT_MODEL
@@ -111,6 +111,11 @@ class Model:
                 listed_draft.max_batch if listed_draft is not None else 1
             if draft_rows > 1:
                 max_concurrent = min(max_concurrent, draft_rows)
+        # a model decoding each request on calls of its own: its slots' prefills share one
+        # prefix cache, where a position computes alike in any call (`OrtSessions.rows_exact`)
+        self.prefixes: SharedPrefixCache | None = None
+        if self.runner is None and prefix_cache_bytes and sessions.rows_exact:
+            self.prefixes = SharedPrefixCache(prefix_cache_bytes)
         self.draft_runner: BatchRunner | None = None
         self.slots = SlotPool(self._new_slot, max_slots=max_concurrent, when_busy=when_busy,
                               timeout=busy_timeout)
@@ -209,8 +214,16 @@ class Model:
                 total += self.draft_sessions.kv_bytes_per_decoder
         return total
 
+    def prefix_counts(self) -> tuple[int, int] | None:
+        """(prompt tokens looked up in the prefix cache, those found there), the batch
+        runner's or the slots' cache; None without a prefix cache."""
+        if self.runner is not None and self.runner.prefixes is not None:
+            return self.runner.stats.prefix_snapshot()
+        return self.prefixes.snapshot() if self.prefixes is not None else None
+
     def _new_slot(self) -> DecodeSlot:
-        target = self.runner.row() if self.runner is not None else OrtDecoder.on(self.sessions)
+        target = self.runner.row() if self.runner is not None else \
+            OrtDecoder.on(self.sessions, prefixes=self.prefixes)
         draft = self._draft_for(target) if self.draft_sessions is not None else None
         return DecodeSlot(target, draft)
 

@@ -10,13 +10,16 @@ a conversation's next turn repeats the whole of the previous prompt.
 `PrefixCache` keeps the prompts of recent prefills, least recently used first out, within a
 byte budget. It belongs to the runner's thread (no lock). A lookup never covers a whole
 prompt: its last token is always computed, since its logits are the prefill's result.
+`SharedPrefixCache` is one behind a lock, for the decoders of a model that decodes each request
+on calls of its own (`OrtDecoder.on(..., prefixes=)`).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any
+import threading
+from typing import Any, Callable
 
 import numpy as np
 
@@ -100,3 +103,58 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+class SharedPrefixCache:
+    """A `PrefixCache` that the decoders of a model which serves each request on calls of its
+    own share (`OrtDecoder`'s `prefixes`): their requests run on several threads, so every look
+    at the cache holds its lock. A decoder's prefill of a prompt into an empty cache copies in the
+    longest cached prefix (`reuse`) and computes the rest; once read, the prompt's keys and
+    values are kept (`keep`). Exact where the decoder computes a position alike in any call,
+    which its sessions' `rows_exact` says. A stored copy is never written again: `reuse` copies
+    out of it without the lock."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._cache = PrefixCache(max_bytes)
+        self._lock = threading.Lock()
+        self.queried_tokens = 0  # prompt tokens looked up
+        self.hit_tokens = 0  # ... and found (copied, not computed)
+
+    @property
+    def max_bytes(self) -> int:
+        return self._cache.max_bytes
+
+    def reuse(self, tokens: np.ndarray, load: Callable[[Any, int], None]) -> int:
+        """The longest cached prefix of `tokens` [n] (at most n - 1 of them): `load(kv, m)`
+        copies its m positions in; returns m (0: nothing cached, nothing loaded)."""
+        with self._lock:
+            entry, n = self._cache.match(tokens)
+            self.queried_tokens += int(tokens.size)
+            self.hit_tokens += n
+        if entry is not None:
+            load(entry.kv, n)
+        return n
+
+    def keep(self, tokens: np.ndarray, save: Callable[[int], Any], nbytes: int) -> None:
+        """A prompt just read into an empty cache: `save(n)` copies its n = tokens.size
+        positions out, stored when the budget takes them and no cached prefix already holds
+        them all. A failing copy (MemoryError) stores nothing: the cache is an optimisation."""
+        with self._lock:
+            if not self._cache.wants(tokens, nbytes):
+                return
+        try:
+            kv = save(tokens.size)
+        except MemoryError:
+            return
+        with self._lock:
+            if self._cache.wants(tokens, nbytes):  # another request may have stored it meanwhile
+                self._cache.add(tokens, kv, nbytes)
+
+    def snapshot(self) -> tuple[int, int]:
+        """(prompt tokens looked up, those found)."""
+        with self._lock:
+            return self.queried_tokens, self.hit_tokens
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._cache)

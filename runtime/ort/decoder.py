@@ -39,12 +39,13 @@ length as the draft's. The two decoders share one busy lock.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import onnxruntime as ort
@@ -56,6 +57,15 @@ from .graph_io import (ATTENTION_MASK, HIDDEN_STATES, INPUT_IDS, LOGIT_ROWS, LOG
 from .sessions import OrtSessions
 from ..decoding.protocols import last_hidden_copy
 from ..validation import check_logits, check_token_block, check_truncate_length
+
+
+class PrefixStore(Protocol):
+    """Keys and values of earlier prompts that a decoder's prefill copies instead of computing
+    (`ortspec.runtime.batching.prefix_cache.SharedPrefixCache`)."""
+
+    def reuse(self, tokens: np.ndarray, load: Callable[[Any, int], None]) -> int: ...
+
+    def keep(self, tokens: np.ndarray, save: Callable[[int], Any], nbytes: int) -> None: ...
 
 
 class OrtDecoder:
@@ -77,10 +87,18 @@ class OrtDecoder:
                                session_options=session_options, kv_mode=kv_mode))
 
     @classmethod
-    def on(cls, sessions: OrtSessions) -> "OrtDecoder":
-        """A decoder with KV buffers of its own over `sessions` (shared, read-only)."""
+    def on(cls, sessions: OrtSessions, *, prefixes: PrefixStore | None = None) -> "OrtDecoder":
+        """A decoder with KV buffers of its own over `sessions` (shared, read-only).
+
+        `prefixes`: a prefill into an empty cache starts from the longest prefix of the prompt
+        found there and keeps the prompt's keys and values there once read. Taken only where
+        the sessions compute a position alike in any call (`OrtSessions.rows_exact`, so the
+        copied positions are those a fresh prefill computes, bit for bit) and the KV buffers
+        are in host memory; otherwise ignored."""
         self = cls.__new__(cls)
         self._init(sessions)
+        if prefixes is not None and sessions.rows_exact and self._kv_arrays is not None:
+            self.prefixes = prefixes
         return self
 
     @classmethod
@@ -126,6 +144,15 @@ class OrtDecoder:
                 bufs.append(buf)
             self._kv_sets.append(bufs)
         del zeros
+        # the buffers as NumPy arrays over the same memory, [1, kv_heads, rows, head_dim] per
+        # set, for copying prefixes in and out: host buffers only (None on a device)
+        self._kv_arrays: list[list[np.ndarray]] | None = None
+        if device == "cpu":
+            self._kv_arrays = [[_host_array(buf, s.kv_shape, s.kv_dtype) for buf in bufs]
+                               for bufs in self._kv_sets]
+        self.prefixes: PrefixStore | None = None  # see `on`
+        self.token_bytes = len(s.kv_names) * int(np.prod(s.kv_shape[:2])) * s.kv_shape[3] * \
+            np.dtype(s.kv_dtype).itemsize  # KV bytes of one position
         self._current = 0  # the KV set that holds the cache (ping-pong flips it after each run)
 
         longest = s.longest_call  # rows of logits a call may return
@@ -204,12 +231,41 @@ class OrtDecoder:
                                          f"(its manifest lists no hidden_state_layers)")
 
     def prefill(self, tokens: Sequence[int]) -> np.ndarray:
-        """forward_batch keeping only the last row: [vocab] float32, without an [n, vocab] array."""
+        """forward_batch keeping only the last row: [vocab] float32, without an [n, vocab] array.
+        Into an empty cache with `prefixes` (see `on`), the longest cached prefix of `tokens` is
+        copied in rather than computed, and `tokens` are kept there once read."""
         with self._owned():
-            last = None
-            for _, logits in self._chunks(self._check_tokens(tokens), last_only=True):
-                last = logits[-1]
+            ids = self._check_tokens(tokens)
+            store = self.prefixes if self._length == 0 else None
+            try:
+                start = store.reuse(ids, self._load_prefix) if store is not None else 0
+                last = None
+                for _, logits in self._chunks(ids[start:], last_only=True):
+                    last = logits[-1]
+            except BaseException:
+                if store is not None:
+                    self._length = 0  # all or nothing, the copied prefix included
+                raise
+            if store is not None:
+                store.keep(ids, self._save_prefix, ids.size * self.token_bytes)
             return last.copy()
+
+    def _save_prefix(self, n: int) -> list[np.ndarray]:  # [1, kv_heads, n, head_dim] each
+        """Copies of the cache's first n positions, read-only."""
+        assert self._kv_arrays is not None and n <= self._length
+        saved = []
+        for buf in self._kv_arrays[self._current]:
+            part = buf[:, :, :n].copy()
+            part.flags.writeable = False
+            saved.append(part)
+        return saved
+
+    def _load_prefix(self, saved: list[np.ndarray], n: int) -> None:
+        """The cache's first n positions from `_save_prefix`'s copies; the length becomes n."""
+        assert self._kv_arrays is not None
+        for buf, part in zip(self._kv_arrays[self._current], saved, strict=True):
+            buf[:, :, :n] = part[:, :, :n]
+        self._length = n
 
     def follow_owner(self) -> int:
         """A decoder `sharing_kv`: take the owner's length as its own (the owner's cache is now
@@ -317,6 +373,15 @@ class OrtDecoder:
     def __repr__(self) -> str:
         return (f"OrtDecoder({str(self.model_dir)!r}, length={self._length}, "
                 f"capacity={self.capacity}, providers={self.providers})")
+
+
+def _host_array(value: ort.OrtValue, shape: Sequence[int], dtype: Any) -> np.ndarray:
+    """A NumPy array over the memory of `value`, an OrtValue in host memory (kept alive by its
+    owner for as long as the array is used)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = (ctypes.c_uint8 * nbytes).from_address(value.data_ptr())
+    return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
 
 def kv_compatible(sessions: OrtSessions, owner: OrtSessions) -> str | None:

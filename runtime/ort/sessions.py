@@ -90,6 +90,9 @@ class OrtSessions:
         if m.min_call_rows < m.min_attention_rows and not self._lone_rows_exact(threads):
             self.min_call_rows = m.min_attention_rows  # this machine's kernels: pad calls
         self.kv_mode: str = kv_mode or default_kv_mode(self.provider_config)
+        # a position's keys, values and logits are the same bits whatever call computed it
+        # (`Manifest.rows_exact`): what copying an earlier prompt's prefix relies on
+        self.rows_exact: bool = m.rows_exact
         self.by_entry = self._open(threads, session_options, allow_spinning)
         first = self.by_entry["step"]
         # intra-op threads the sessions run with (0: onnxruntime's default); part of the key

@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "decodes each request on calls of its own, else prompt-lookup; a "
                         "batched export with a head drafts with it when asked (eagle3)")
     p.add_argument("--prefix-cache-mib", type=float, default=DEFAULT_PREFIX_CACHE_MIB,
-                   help="with a batching model: MiB of recent prompts' keys and values kept "
+                   help="MiB of recent prompts' keys and values kept (a model decoding each "
+                        "request alone: where its graph computes a position alike in any call, "
+                        "as the int4 exports do) "
                         "for requests that start the same (a shared system prompt, earlier "
                         "turns), copied instead of computed; 0 turns it off "
                         f"(default {DEFAULT_PREFIX_CACHE_MIB})")

@@ -152,7 +152,8 @@ class Engine:
         runner = model.runner  # its BatchRunner when it batches
         self.metrics = ServerMetrics(running=lambda: self.admission.running,
                                      waiting=lambda: self.admission.waiting,
-                                     batch=runner.stats if runner is not None else None)
+                                     batch=runner.stats if runner is not None else None,
+                                     prefixes=model.prefix_counts)
         self.executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=max_concurrent, thread_name_prefix="ortspec-decode")
 

@@ -15,8 +15,9 @@ non-empty draft), `..._num_draft_tokens_total` (drafted), `..._num_accepted_toke
 A model that batches (`ortspec.runtime.batching.runner`) adds `ortspec:batch_rows` (a histogram of
 the requests each batched call carried), `ortspec:batch_tokens_per_row` (of the tokens a row
 each call ran, S, padding included) and `ortspec:batch_padded_rows_total` (rows carried along
-without a job), and vLLM's `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total`
-(prompt tokens looked up in the prefix cache, and found), read from the runner when scraped.
+without a job), read from the runner when scraped. A model with a prefix cache (`Model.prefix_counts`)
+adds vLLM's `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total` (prompt tokens
+looked up in the prefix cache, and found).
 """
 
 from __future__ import annotations
@@ -35,10 +36,13 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320
 
 class ServerMetrics:
     def __init__(self, *, running: Callable[[], int], waiting: Callable[[], int],
-                 batch: BatchStats | None = None) -> None:
+                 batch: BatchStats | None = None,
+                 prefixes: Callable[[], tuple[int, int] | None] | None = None) -> None:
         self.registry = r = CollectorRegistry()
         if batch is not None:
             r.register(_BatchCollector(batch))
+        if prefixes is not None:
+            r.register(_PrefixCollector(prefixes))
         Gauge("vllm:num_requests_running", "Requests decoding now", registry=r).set_function(running)
         Gauge("vllm:num_requests_waiting", "Requests queued for a decode slot",
               registry=r).set_function(waiting)
@@ -100,7 +104,20 @@ class _BatchCollector:
                                      "Rows carried along in a batched call without a job of theirs")
         padded.add_metric([], padded_rows)
         yield padded
-        queried, hit = self.stats.prefix_snapshot()
+
+
+class _PrefixCollector:
+    """The prefix cache's counts (`snapshot`: prompt tokens looked up, and found; None without
+    a cache, which shows nothing), read when scraped."""
+
+    def __init__(self, snapshot: Callable[[], tuple[int, int] | None]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self):
+        counts = self.snapshot()
+        if counts is None:
+            return
+        queried, hit = counts
         for name, doc, value in (
                 ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queried),
                 ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (their keys "

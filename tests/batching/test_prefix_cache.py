@@ -7,6 +7,10 @@ runner: a prompt sharing a prefix prefills only the rest, and every request deco
 alone, concurrent requests and sampling included. On the real default model (window export):
 a prompt's prefill logits after a copied prefix are bitwise those computed whole, and chat
 requests sharing the system prompt give their solo outputs; `ortspec serve` reports the hits.
+On the default int4 export, which decodes each request on calls of its own, the slots' shared
+cache (`SharedPrefixCache`) does the same: bitwise prefills, every request as with no cache,
+concurrent requests and a conversation's next turn included; the fp32 export, whose rows are
+not bitwise alike across calls, keeps none.
 """
 
 from __future__ import annotations
@@ -184,7 +188,7 @@ def test_prefill_after_a_copied_prefix_is_bitwise_the_whole_prefill(window_fp32)
 def test_chat_requests_sharing_the_system_prompt_give_their_solo_outputs(window_fp32):
     from ortspec.runtime import load_model
 
-    solo = load_model(window_fp32, max_concurrent=1, batch=False)
+    solo = load_model(window_fp32, max_concurrent=1, batch=False, prefix_cache_mib=0)
     model = load_model(window_fp32, max_concurrent=3)
     off = load_model(window_fp32, max_concurrent=3, prefix_cache_mib=0)
     assert off.runner is not None and off.runner.prefixes is None
@@ -200,3 +204,110 @@ def test_chat_requests_sharing_the_system_prompt_give_their_solo_outputs(window_
     assert off.runner.stats.prefix_snapshot() == (0, 0)
     with pytest.raises(InvalidOptionError, match="prefix_cache_mib"):
         load_model(window_fp32, max_concurrent=2, prefix_cache_mib=-5)
+
+
+# -- the default int4 export: a request alone on its calls, the slots sharing one cache ---------
+
+
+def _chat_prompts(model) -> tuple[list[int], list[int]]:
+    first = model.encode("Name a planet.", chat=True)
+    second = model.encode("Name three rivers in Europe, with their lengths.", chat=True)
+    return first, second
+
+
+@pytest.mark.slow
+def test_an_int4_prefill_after_a_copied_prefix_is_bitwise_the_whole_prefill(int4_model_dir):
+    from ortspec.runtime import load_model
+    from ortspec.runtime.ort.decoder import OrtDecoder
+
+    model = load_model(int4_model_dir, max_concurrent=2)
+    assert model.runner is None and model.sessions.rows_exact and model.prefixes is not None
+    cached = OrtDecoder.on(model.sessions, prefixes=model.prefixes)
+    solo = OrtDecoder.on(model.sessions)
+    assert cached.prefixes is model.prefixes and solo.prefixes is None
+    first, second = _chat_prompts(model)
+    shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert shared >= 20  # the system prompt and the template
+    # a prompt never seen, one sharing the template, the same again (all but its last token),
+    # and one that extends it (a conversation's next turn)
+    longer = second + model.encode(" The Danube, the Rhine and the Elbe.")
+    for prompt, hit in ((first, 0), (second, shared), (second, len(second) - 1),
+                        (longer, len(second))):
+        before = model.prefixes.snapshot()[1]
+        cached.reset()
+        got = cached.prefill(prompt)
+        assert model.prefixes.snapshot()[1] - before == hit
+        solo.reset()
+        want = solo.prefill(prompt)
+        np.testing.assert_array_equal(got, want)
+        token = int(np.argmax(want))
+        np.testing.assert_array_equal(cached.forward_token(token), solo.forward_token(token))
+        block = [token, 5, 77, 1000]
+        np.testing.assert_array_equal(cached.forward_batch(block), solo.forward_batch(block))
+
+
+@pytest.mark.slow
+def test_a_failing_prefill_after_a_copied_prefix_leaves_an_empty_cache(int4_model_dir,
+                                                                       monkeypatch):
+    from ortspec.runtime import load_model
+    from ortspec.runtime.ort.decoder import OrtDecoder
+
+    model = load_model(int4_model_dir, max_concurrent=1)
+    decoder = OrtDecoder.on(model.sessions, prefixes=model.prefixes)
+    first, second = _chat_prompts(model)
+    decoder.prefill(first)
+    stored = len(model.prefixes)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the graph failed")
+
+    decoder.reset()
+    monkeypatch.setattr(decoder, "_run", fail)
+    with pytest.raises(RuntimeError, match="the graph failed"):
+        decoder.prefill(second)
+    assert decoder.length == 0  # the copied prefix is not left behind
+    assert len(model.prefixes) == stored  # nor is the prompt kept
+
+
+@pytest.mark.slow
+def test_int4_requests_sharing_prefixes_decode_as_with_no_cache_at_once(int4_model_dir):
+    """Greedy and seeded sampling, with and without prompt lookup, four requests at a time over
+    three slots, a conversation's second turn among them: each gives its output with the cache
+    off."""
+    from ortspec.runtime import load_model
+
+    model = load_model(int4_model_dir, max_concurrent=3)
+    off = load_model(int4_model_dir, max_concurrent=1, prefix_cache_mib=0)
+    assert off.prefixes is None and model.prefixes is not None
+    turn = model.manifest.chat_format.render(
+        [{"role": "user", "content": "Name a fruit."},
+         {"role": "assistant", "content": "An apple."},
+         {"role": "user", "content": "And a vegetable?"}])
+    prompts = [model.encode(q, chat=True) for q in
+               ("Name a fruit.", "What is 3 + 4?", "Say hello in French.")] + [model.encode(turn)]
+    jobs = [(p, drafter, t, seed) for p in prompts for drafter in ("none", "prompt-lookup")
+            for t, seed in ((0.0, None), (1.0, 3))]
+
+    def run(m, job):
+        prompt, drafter, t, seed = job
+        options = SpeculativeOptions(12, temperature=t, seed=seed)
+        return m.generate(prompt, drafter=drafter, options=options).tokens
+
+    want = [run(off, job) for job in jobs]
+    for start in range(0, len(jobs), 4):
+        got = in_threads(lambda job: run(model, job), jobs[start:start + 4], timeout=300)
+        assert got == want[start:start + 4]
+    queried, hit = model.prefixes.snapshot()
+    assert hit >= 20 * (len(jobs) - 1) and queried > hit
+
+
+@pytest.mark.slow
+def test_the_fp32_export_whose_rows_differ_across_calls_keeps_no_prefixes(model_dir):
+    from ortspec.runtime import load_model
+    from ortspec.runtime.batching.prefix_cache import SharedPrefixCache
+    from ortspec.runtime.ort.decoder import OrtDecoder
+
+    model = load_model(model_dir, max_concurrent=1)
+    assert not model.sessions.rows_exact and model.prefixes is None
+    assert model.prefix_counts() is None
+    assert OrtDecoder.on(model.sessions, prefixes=SharedPrefixCache(1 << 20)).prefixes is None

@@ -570,3 +570,47 @@ def test_ray_serve_replica_on_the_batched_export_batches_with_the_serial_texts(w
         assert s.proc.wait(120) == 0, s.output()
     finally:
         s.stop()
+
+
+@pytest.mark.slow
+def test_the_int4_export_serves_a_conversation_from_its_prefix_cache_with_unchanged_texts(
+        int4_model_dir):
+    """`ortspec serve` on the default int4 export (each request on calls of its own): chat
+    requests at once, a conversation's next turn and a bad request among them, through the
+    official client. Every text is the one the model gives with no prefix cache, and /metrics
+    counts the system prompt and the earlier turn as found."""
+    import openai
+
+    from ortspec.runtime import SpeculativeOptions, load_model
+
+    off = load_model(int4_model_dir, max_concurrent=1, prefix_cache_mib=0)
+    s = Server(int4_model_dir, "--max-concurrent", "2", "--threads", "2")
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        name = int4_model_dir.name
+        first = [{"role": "user", "content": "Name a fruit."}]
+        answer = client.chat.completions.create(model=name, messages=first, max_tokens=12,
+                                                temperature=0).choices[0].message.content
+        conversations = [first + [{"role": "assistant", "content": answer},
+                                  {"role": "user", "content": "And a vegetable?"}],
+                         [{"role": "user", "content": "What is 3 + 4?"}],
+                         [{"role": "user", "content": "Say hello in French."}], None]
+
+        def ask(messages):
+            if messages is None:  # bad input among the good
+                with pytest.raises(openai.BadRequestError, match="max_tokens"):
+                    client.chat.completions.create(
+                        model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=-1)
+                return None
+            return client.chat.completions.create(model=name, messages=messages, max_tokens=12,
+                                                  temperature=0).choices[0].message.content
+
+        got = in_threads(ask, conversations, timeout=300)
+        for messages, text in zip([first, *conversations[:3]], [answer, *got[:3]]):
+            prompt = off.encode(off.manifest.chat_format.render(messages))
+            assert text == off.generate(prompt, options=SpeculativeOptions(12)).text, messages
+        history = off.encode(off.manifest.chat_format.render(first))
+        assert s.metric("vllm:prefix_cache_hits_total") >= 20 * 2 + len(history) - 1
+        assert s.metric("vllm:prefix_cache_queries_total") > s.metric("vllm:prefix_cache_hits_total")
+    finally:
+        s.stop()
