@@ -69,8 +69,11 @@ STAGES = ("load", "build", "save", "validate", "checksums")
 # the package's kernels are built (kernel); 9: the window flavour on those kernels attends with
 # ortspec.CacheAttention, reading the cache in place; 10: so does the gqa flavour on those
 # kernels (opset 24), which no longer pads a lone query; 11: a layer that rotates and has no
-# q/k norms attends with ortspec.RotaryCacheAttention, the rotary and cache writes inside it
-EXPORTER_REVISION = 11
+# q/k norms attends with ortspec.RotaryCacheAttention, the rotary and cache writes inside it;
+# 12: on ortspec's kernels the gated MLP's gate and up product, SiLU and product are one
+# ortspec.Q4GemmSwiGlu node, and a gqa layer's RotaryCacheAttention takes and gives flat rows
+# (three Reshapes fewer a layer)
+EXPORTER_REVISION = 12
 # the providers each graph flavour is built for (see runtime/providers.py): ORT's CUDA GQA
 # kernel is fp16/bf16 only and TensorRT does not import GQA; standard ONNX ops run anywhere
 GRAPH_PROVIDERS = {("gqa", "fp32"): "CPUExecutionProvider",

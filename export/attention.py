@@ -67,9 +67,6 @@ def _gqa_preamble(b: GraphBuilder) -> dict[str, str]:
         count = g.op1("Size", [gio.INPUT_IDS])  # B * S
         ctx["token_rows"] = g.op1("Range", [g.const("zero_i64", np.array(0, np.int64)), count,
                                             g.const("one_i64", np.array(1, np.int64))])  # [B * S]
-        q_dim = b.spec.num_heads * b.spec.head_dim
-        ctx["attn_shape"] = g.op1("Concat", [g.op1("Shape", [gio.INPUT_IDS]), g.const(
-            f"width_{q_dim}", np.array([q_dim], np.int64))], axis=0)  # [3]: B, S, q_dim
         return ctx
     axes = g.const("axes_1", np.array([1], np.int64))
     mask_sum = g.op1("ReduceSum", [gio.ATTENTION_MASK, axes], keepdims=0)  # int64 [1]
@@ -100,6 +97,10 @@ def _gqa_attention(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) -> st
     spec = b.spec
     if attends_with_cache(b.options):  # [B * S, heads * hd] -> [B, S, heads * hd]
         y = _attend_cache(b, i, qkv, ctx, rows=ctx["token_rows"])
+        if "attn_shape" not in ctx:  # made on first use: a graph on flat rows needs none
+            q_dim = spec.num_heads * spec.head_dim
+            ctx["attn_shape"] = b.g.op1("Concat", [b.g.op1("Shape", [gio.INPUT_IDS]), b.g.const(
+                f"width_{q_dim}", np.array([q_dim], np.int64))], axis=0)  # [3]: B, S, q_dim
         return b.g.op1("Reshape", [y, ctx["attn_shape"]])
     if "q_pads" in ctx:  # [B, S', qkv]: a lone token twice (see _gqa_preamble)
         qkv = b.g.op1("Pad", [qkv, ctx["q_pads"]], mode="edge")
@@ -386,6 +387,18 @@ def attends_with_cache(options: GraphOptions) -> bool:
     return (options.quant is not None and options.quant.kernel == "ortspec"
             and (options.attention == "window" or options.attention == "gqa"
                  and options.opset >= CACHE_ATTENTION_OPSET))
+
+
+def rotary_cache_layer(b: GraphBuilder, i: int) -> bool:
+    """Whether layer i attends with one ortspec.RotaryCacheAttention node (`_attend_cache`)."""
+    return attends_with_cache(b.options) and b.spec.uses_rope(i) and not b.spec.qk_norm
+
+
+def attend_rows(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]) -> str:
+    """A gqa layer that is a `rotary_cache_layer` on flat rows: qkv [S, qkv] (B = 1, which the
+    op reads as [1, S, qkv]) -> [S, heads * hd], with no Reshape either side."""
+    assert rotary_cache_layer(b, i)
+    return _attend_cache(b, i, qkv, ctx, rows=ctx["token_rows"])
 
 
 def _attend_cache(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str], *, rows: str) -> str:

@@ -93,6 +93,28 @@ class GraphBuilder:
             y = self.g.op1("Add", [y, self.add_tensor(name + "_bias", np.concatenate(rows))])
         return y
 
+    def swiglu(self, x: str, names: list[str], bias_names: list[str], *, fused: str) -> str | None:
+        """silu(x @ gate.T) * (x @ up.T) (names: gate, up) as one ortspec.Q4GemmSwiGlu node
+        over the two weights stacked, where they would run on ortspec.Q4Gemm and have no bias;
+        None otherwise, with nothing added (the caller builds the product, split and gating)."""
+        q = self.options.quant
+        if q is None or (q.kernel, q.bits, q.scheme, q.block_size) != \
+                ("ortspec", 4, "block-min", 32) or any(self._get(b) is not None for b in bias_names):
+            return None
+        arrs = [np.asarray(self._get(n), dtype=np.float32) for n in names]
+        w = np.concatenate(arrs, axis=0)  # [2 * intermediate, in]
+        del arrs
+        if w.shape[1] % q.block_size or w.shape[0] % (2 * Q4GEMM_TILE):
+            return None
+        qw = self.add_quantized(fused, w, bits=4, scheme="block-min")
+        del w
+        if qw.op != "Q4Gemm":
+            return None
+        self.kernel_weights += names
+        self.quantized.append(qw.name)
+        return self.g.op1("Q4GemmSwiGlu", [x, *qw.inputs], domain=ORTSPEC_DOMAIN,
+                          name=f"{qw.name}/q4gemmswiglu", K=qw.k, N=qw.n)
+
     def embedding(self, ids: str = gio.INPUT_IDS) -> str:
         """ids (input_ids [B, S], or the packed graph's [M]) -> [*ids.shape, hidden]: a Gather
         from the float table, or, when the quantized

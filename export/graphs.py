@@ -44,7 +44,7 @@ from onnx import TensorProto, helper
 
 from ortspec.runtime.ort import graph_io as gio
 
-from .attention import FLAVOURS, pack_tokens, to_grid
+from .attention import FLAVOURS, attend_rows, pack_tokens, rotary_cache_layer, to_grid
 from .builder import GetWeight, GraphBuilder
 from .graph_spec import MS, NUMPY_DTYPES, ORTSPEC_DOMAIN, DecoderSpec, GraphOptions, check_opset
 from .hidden_states import hidden_states_output
@@ -109,10 +109,7 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
         if flat:
             x = b.g.op1("Reshape", [x, b.g.const("shape_rows_hidden",
                                                  np.array([-1, spec.hidden_size], np.int64))])
-            grid_qkv = b.g.op1("Concat", [b.g.op1("Shape", [gio.INPUT_IDS]), b.g.const(
-                f"width_{spec.qkv_dim}", np.array([spec.qkv_dim], np.int64))], axis=0)
-            attn_rows = b.g.const("shape_rows_attn",
-                                  np.array([-1, spec.num_heads * spec.head_dim], np.int64))
+        grids: dict[str, str] = {}  # the [B, S, qkv] shape, made once a layer reshapes
         if spec.embed_scale != 1.0:  # Gemma: times sqrt(hidden), in the weights' dtype
             x = b.g.op1("Mul", [x, b.g.const("embed_scale", np.array(
                 spec.embed_scale, NUMPY_DTYPES[options.dtype]))])
@@ -125,25 +122,36 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
                 states[i] = residual
             qkv = b.linear(h, [p + "q", p + "k", p + "v"],
                            [p + "q_bias", p + "k_bias", p + "v_bias"], fused=p + "qkv")
-            if flat:
-                qkv = b.g.op1("Reshape", [qkv, grid_qkv])  # [B, S, qkv_dim]
-            attn = flavour.attention(b, i, qkv, context)  # [B, S | M, heads * head_dim]
-            if flat:
-                attn = b.g.op1("Reshape", [attn, attn_rows])  # [B * S, heads * head_dim]
+            if flat and rotary_cache_layer(b, i):  # flat rows in, flat rows out
+                attn = attend_rows(b, i, qkv, context)  # [B * S, heads * head_dim]
+            else:
+                if flat:
+                    if not grids:
+                        grids["qkv"] = b.g.op1("Concat", [b.g.op1("Shape", [gio.INPUT_IDS]), b.g.const(
+                            f"width_{spec.qkv_dim}", np.array([spec.qkv_dim], np.int64))], axis=0)
+                    qkv = b.g.op1("Reshape", [qkv, grids["qkv"]])  # [B, S, qkv_dim]
+                attn = flavour.attention(b, i, qkv, context)  # [B, S | M, heads * head_dim]
+                if flat:
+                    attn = b.g.op1("Reshape", [attn, b.g.const(
+                        "shape_rows_attn", np.array([-1, spec.num_heads * spec.head_dim],
+                                                    np.int64))])  # [B * S, heads * head_dim]
             o = b.linear(attn, [p + "o"], [p + "o_bias"])
             if spec.sandwich_norms:
                 o, _ = b.norm(o, None, p + "post_attn_norm")
             h, residual = b.norm(o, residual, p + "mlp_norm")
-            if options.quant is None:
-                gate = b.linear(h, [p + "gate"], [p + "gate_bias"])
-                up = b.linear(h, [p + "up"], [p + "up_bias"])
-            else:  # one MatMulNBits call (and one block-sum product) for both
-                gate_up = b.linear(h, [p + "gate", p + "up"], [p + "gate_bias", p + "up_bias"],
-                                   fused=p + "gate_up")
-                half = b.g.const("gate_up_split", np.array([spec.intermediate_size] * 2,
-                                                           np.int64))
-                gate, up = b.g.op("Split", [gate_up, half], 2, axis=-1)
-            act = b.g.op1("Mul", [mlp_activation(b, gate), up])
+            act = b.swiglu(h, [p + "gate", p + "up"], [p + "gate_bias", p + "up_bias"],
+                           fused=p + "gate_up") if spec.mlp_act == "silu" else None
+            if act is None:
+                if options.quant is None:
+                    gate = b.linear(h, [p + "gate"], [p + "gate_bias"])
+                    up = b.linear(h, [p + "up"], [p + "up_bias"])
+                else:  # one MatMulNBits call (and one block-sum product) for both
+                    gate_up = b.linear(h, [p + "gate", p + "up"],
+                                       [p + "gate_bias", p + "up_bias"], fused=p + "gate_up")
+                    half = b.g.const("gate_up_split", np.array([spec.intermediate_size] * 2,
+                                                               np.int64))
+                    gate, up = b.g.op("Split", [gate_up, half], 2, axis=-1)
+                act = b.g.op1("Mul", [mlp_activation(b, gate), up])
             x = b.linear(act, [p + "down"], [p + "down_bias"])  # act(gate) * up -> down
             if spec.sandwich_norms:
                 x, _ = b.norm(x, None, p + "post_mlp_norm")

@@ -3,6 +3,10 @@
  *   Q4Gemm(x, q, d, m) -> y   y = x @ w.T, w [N, K] as Q4_1 blocks of 32 (w = d * q + m, q in
  *                             0..15, d and m float16), in Q4 tiles (q4_simd.h; export/quantize.py
  *                             `quantize_q4gemm` writes them): the GGUF's own blocks.
+ *   Q4GemmSwiGlu(x, q, d, m) -> y
+ *                             the gated MLP's first half: Q4Gemm of a weight whose N rows are
+ *                             the gate's then the up projection's, and y [..., N / 2] =
+ *                             silu(gate) * up, in one node.
  *   Q8Gemm(x, b, scales) -> y w as MatMulNBits stores 8-bit symmetric blocks of 32
  *                             (b uint8 [N, K / 32, 32] = q + 128, scales float [N * K / 32]): the
  *                             LM head, whose bytes a tied embedding's GatherBlockQuantized also
@@ -168,7 +172,61 @@ typedef struct {
     Weight w;
     uint8_t *owned_q;  /* Q8: the regrouped weight and scales, freed with the kernel */
     float *owned_d;
+    int swiglu;  /* Q4GemmSwiGlu: y = silu(first half of the product) * its second half */
 } Kernel;
+
+static int grown(float **buf, size_t *size, size_t need);
+
+#ifdef ORTSPEC_X86
+/* y [rows, n / 2] = silu(g) * u, g and u the halves of each row of x [rows, n] (n / 2 a
+ * multiple of 8): silu(a) = a * sigmoid(a), sigmoid from exp(-|a|) (attention_simd.h's exp,
+ * relative error about 2e-7), so no exponent overflows. Element by element: a row's output
+ * is the same whatever else the call holds. */
+static AVX2 void swiglu_rows(const float *x, int64_t rows, int64_t n, float *y) {
+    int64_t half = n / 2;
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    const __m256 zero = _mm256_setzero_ps();
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = x + r * n, *u = g + half;
+        float *out = y + r * half;
+        for (int64_t j = 0; j < half; j += 8) {
+            __m256 a = _mm256_loadu_ps(g + j);
+            __m256 e = exp256(_mm256_or_ps(a, sign));  /* exp(-|a|) */
+            __m256 pos = _mm256_div_ps(one, _mm256_add_ps(one, e));  /* sigmoid(|a|) */
+            __m256 sig = _mm256_blendv_ps(pos, _mm256_mul_ps(e, pos),  /* a < 0: 1 - that */
+                                          _mm256_cmp_ps(a, zero, _CMP_LT_OQ));
+            _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_mul_ps(a, sig),
+                                                    _mm256_loadu_ps(u + j)));
+        }
+    }
+}
+#endif
+
+static __thread float *glu_scratch;  /* Q4GemmSwiGlu: the product before the gating */
+static __thread size_t glu_scratch_size;
+
+/* y [rows, n / 2] = the gated halves of x [rows, k] times the weight; -1 where memory ran out */
+static int swiglu_product(const Weight *w, const float *x, int64_t rows, float *y,
+                          void *context) {
+#ifdef ORTSPEC_X86
+    if (!grown(&glu_scratch, &glu_scratch_size, sizeof(float) * (size_t)(rows * w->n)) ||
+        product(w, x, rows, glu_scratch, context) != 0)
+        return -1;
+    swiglu_rows(glu_scratch, rows, w->n, y);
+    return 0;
+#else
+    (void)w; (void)x; (void)rows; (void)y; (void)context;
+    return -1;
+#endif
+}
+
+/* The tests' entry point for Q4GemmSwiGlu, on the calling thread. */
+int ortspec_q4_swiglu(const float *x, int64_t rows, int64_t k, int64_t n, const uint8_t *q,
+                      const uint16_t *d, const uint16_t *m, float *y) {
+    if (ortspec_q4_isa() == 0 || k % QK || n % TILE) return -1;
+    Weight w = {OP_Q4, k, n, q, d, m};
+    return swiglu_product(&w, x, rows, y, NULL);
+}
 
 static void kernel_compute(void *state, void *context) {
     Kernel *kern = state;
@@ -185,14 +243,17 @@ static void kernel_compute(void *state, void *context) {
     if (rank < 1 || dims[rank - 1] != w.k) return;  /* no output: onnxruntime reports the node */
     int64_t rows = 1;
     for (size_t i = 0; i + 1 < rank; i++) rows *= dims[i];
-    dims[rank - 1] = w.n;
+    int64_t width = kern->swiglu ? w.n / 2 : w.n;
+    dims[rank - 1] = width;
     void *y_value;
     if (failed(FN(API_KernelContext_GetOutput, get_output_t)(context, 0, dims, rank, &y_value)))
         return;
     float *y = data_of(y_value);
     if (!y || rows == 0) return;
-    if (!x || product(&w, x, rows, y, context) != 0)
-        for (int64_t i = 0; i < rows * w.n; i++) y[i] = __builtin_nanf("");  /* never stale data */
+    int status = !x ? -1 : kern->swiglu ? swiglu_product(&w, x, rows, y, context)
+                                        : product(&w, x, rows, y, context);
+    if (status != 0)
+        for (int64_t i = 0; i < rows * width; i++) y[i] = __builtin_nanf("");  /* never stale data */
 }
 
 static void destroy_kernel(void *state) {
@@ -247,12 +308,20 @@ static void *create_q4(const void *op, const void *unused, const void *info) {
     return create_kernel(OP_Q4, info);
 }
 
+static void *create_q4_swiglu(const void *op, const void *unused, const void *info) {
+    (void)op; (void)unused;
+    Kernel *kern = create_kernel(OP_Q4, info);
+    if (kern) kern->swiglu = 1;  /* N % TILE == 0: each half a multiple of 8 */
+    return kern;
+}
+
 static void *create_q8(const void *op, const void *unused, const void *info) {
     (void)op; (void)unused;
     return create_kernel(OP_Q8, info);
 }
 
 static const char *q4_name(const void *op) { (void)op; return "Q4Gemm"; }
+static const char *q4_swiglu_name(const void *op) { (void)op; return "Q4GemmSwiGlu"; }
 static const char *q8_name(const void *op) { (void)op; return "Q8Gemm"; }
 static int q4_input_type(const void *op, size_t i) {
     (void)op;
@@ -263,6 +332,8 @@ static int q8_input_type(const void *op, size_t i) { (void)op; return i == 1 ? E
 static size_t q8_inputs(const void *op) { (void)op; return 3; }
 static CustomOp q4_op = CUSTOM_OP(create_q4, q4_name, q4_input_type, q4_inputs, kernel_compute,
                                   destroy_kernel);
+static CustomOp q4_swiglu_op = CUSTOM_OP(create_q4_swiglu, q4_swiglu_name, q4_input_type,
+                                         q4_inputs, kernel_compute, destroy_kernel);
 static CustomOp q8_op = CUSTOM_OP(create_q8, q8_name, q8_input_type, q8_inputs, kernel_compute,
                                   destroy_kernel);
 
@@ -384,7 +455,8 @@ static CustomOp attention_op = CUSTOM_OP(create_attention, attention_name, atten
 /* ---- RotaryCacheAttention ------------------------------------------------------------------ */
 
 /* CacheAttention with the layer's rotary embedding and cache writes inside it. Inputs: qkv float
- * [B, S, (heads + 2 kv) * hd], each position's q, k and v packed (before the rotary); key, value
+ * [B, S, (heads + 2 kv) * hd] (or [S, ...], B = 1: a graph on flat rows needs no reshape),
+ * each position's q, k and v packed (before the rotary); key, value
  * float [>= B, kv, cap, hd], the cache before this call; positions int64 [B, S]; token_rows int64
  * [M]; cos, sin float [P, rotary_dim / 2], the rotary tables by position. Outputs: y float
  * [M, heads * hd]; present key and value, the cache with every position's rotated key and value
@@ -452,6 +524,12 @@ static void rotary_compute(void *state, void *context) {
     const float *v = input_of(context, 2, vd, &vr);
     const int64_t *positions = input_of(context, 3, pd, &pr), *rows = input_of(context, 4, rd, &rr);
     const float *cos = input_of(context, 5, cd, &cr), *sin = input_of(context, 6, sd, &sr);
+    if (xr == 2) {  /* [S, width]: one row of S tokens, as [1, S, width] */
+        xd[2] = xd[1];
+        xd[1] = xd[0];
+        xd[0] = 1;
+        xr = 3;
+    }
     if (xr != 3 || rr != 1 || kr != 4 || vr != 4) return;  /* onnxruntime reports the output */
     int64_t heads = op->base.heads, kv = kd[1], hd = kd[3];
     int64_t out[2] = {rd[0], heads * hd};
@@ -538,6 +616,7 @@ OrtStatus *RegisterCustomOps(void *options, const OrtApiBase *base) {
     OrtStatus *status;
     if ((status = FN(API_CreateCustomOpDomain, create_domain_t)("ortspec", &domain)) ||
         (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &q4_op)) ||
+        (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &q4_swiglu_op)) ||
         (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &q8_op)) ||
         (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &attention_op)) ||
         (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &rotary_op)))

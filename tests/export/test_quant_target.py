@@ -119,7 +119,10 @@ def test_int4_export_records_its_weights_and_validates_rows_exactly(int4_dir):
         ("MatMulNBits", 4, 32, "block-min", 8)
     assert w["float_linear"] == []
     layers = 4 * m.architecture.num_layers
-    q4 = _op_count(int4_dir, "Q4Gemm")
+    q4 = _op_count(int4_dir, "Q4Gemm") + _op_count(int4_dir, "Q4GemmSwiGlu")
+    # a layer's gate and up product with its SiLU gating: one node on ortspec's kernel
+    assert _op_count(int4_dir, "Q4GemmSwiGlu") == \
+        (m.architecture.num_layers if _kernel(int4_dir) == "ortspec" else 0)
     # + the 8-bit head (ortspec.Q8Gemm with the ortspec kernel)
     assert _op_count(int4_dir, "MatMulNBits") + q4 + _op_count(int4_dir, "Q8Gemm") == layers + 1
     # ortspec.Q4Gemm takes every block-min layer whose width is a multiple of its tile of 16
@@ -132,6 +135,13 @@ def test_int4_export_records_its_weights_and_validates_rows_exactly(int4_dir):
     assert v["verify_vs_pytorch"] <= v["bound_vs_pytorch"]
     attends = "RotaryCacheAttention" if cache else "GroupQueryAttention"  # tiny llama: rotary
     assert _op_count(int4_dir, attends) == m.architecture.num_layers
+    if cache:  # flat rows from the qkv product into the attention and on to the o product
+        nodes = onnx.load(str(int4_dir / "model.onnx"), load_external_data=False).graph.node
+        made_by = {out: n.op_type for n in nodes for out in n.output}
+        for n in nodes:
+            if n.op_type == attends:
+                assert made_by[n.input[0]] == "Q4Gemm"
+                assert {c.op_type for c in nodes if n.output[0] in c.input} == {"Q4Gemm"}
     assert not (int4_dir / "drafts").exists()  # no draft unless asked for
 
 
@@ -312,7 +322,7 @@ def test_head_and_scheme_choices_export_validated_and_exact(sources, tmp_path, l
     w = m.extra["weights"]
     assert w["scheme"] == scheme
     assert w["lm_head_bits"] == {"int8": 8, "int4": 4, "fp32": None}[lm_head]
-    assert sum(_op_count(out, op) for op in ("MatMulNBits", "Q4Gemm", "Q8Gemm")) == \
+    assert sum(_op_count(out, op) for op in ("MatMulNBits", "Q4Gemm", "Q4GemmSwiGlu", "Q8Gemm")) == \
         4 * m.architecture.num_layers + (lm_head != "fp32")
     assert (_op_count(out, "Q4Gemm") > 0) == (scheme == "block-min" and kernels.available())
     assert m.extra["validation"]["step_vs_verify"] == 0.0

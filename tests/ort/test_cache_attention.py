@@ -192,6 +192,24 @@ def test_the_rotary_op_rotates_stores_and_attends(heads, kv, hd, rd, window, tmp
     np.testing.assert_allclose(y, want, rtol=0, atol=1e-5)
 
 
+def test_the_rotary_op_takes_one_row_of_tokens_flat(tmp_path):
+    """qkv [S, width] (a graph on flat rows, no reshape) is one row of S tokens: the same bits
+    as [1, S, width]; positions still [1, S]."""
+    rng = np.random.default_rng(3)
+    heads, kv, hd, rd = 9, 3, 64, 64
+    qkv, k, v, pos, cos, sin = _rotary_inputs(rng, heads, kv, hd, rd, rows=1, s_len=5)
+    rows = np.arange(5, dtype=np.int64)
+    sess = _rotary_session(heads, rd, 0, tmp_path / "r.onnx")
+    feeds = {"past_k": k, "past_v": v, "pos": pos, "rows": rows, "cos": cos, "sin": sin}
+    grid = sess.run(None, {"qkv": qkv, **feeds})
+    flat = sess.run(None, {"qkv": qkv[0], **feeds})
+    for a, b in zip(grid, flat, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert not np.isnan(flat[0]).any()
+    bad = sess.run(None, {"qkv": qkv[0, :4], **feeds})[0]  # 4 tokens, positions for 5
+    assert np.isnan(bad).all()
+
+
 def test_the_rotary_op_writes_in_place_and_a_row_is_the_same_in_every_call(tmp_path):
     """Past and present bound to one buffer (as the runtime binds them): the new keys and
     values land in it, the rest untouched, and the outputs equal an unbound run's; a token's

@@ -1,7 +1,9 @@
 """ortspec.Q4Gemm (runtime/ort/_q4kernel.c), the package's kernel for Q4_1 weights: what it
 computes against a NumPy model of its arithmetic, every row of a call bit for bit the row called
 alone on both instruction sets, through onnxruntime at every input rank, and its packed layout's
-round trip (export/quantize.py)."""
+round trip (export/quantize.py). ortspec.Q4GemmSwiGlu, the gated MLP's gate and up products in
+one node: silu(gate) * up of the product's halves, in float64 to float32 rounding, over the
+whole range of the sigmoid, rows alike at every call size and through onnxruntime."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ def lib():
     lib = ctypes.CDLL(kernels.library_path())
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.ortspec_q4_gemm.argtypes = [p, i64, i64, i64, p, p, p, p]
+    lib.ortspec_q4_swiglu.argtypes = [p, i64, i64, i64, p, p, p, p]
     lib.ortspec_q4_force_isa.argtypes = [ctypes.c_int]
     yield lib
     lib.ortspec_q4_force_isa(-1)
@@ -124,12 +127,49 @@ def test_every_row_of_a_call_is_bitwise_the_row_called_alone(lib, isa):
         np.testing.assert_array_equal(_gemm(lib, x[:rows], qw), alone[:rows], err_msg=f"{rows}")
 
 
-def _session(qw, k: int, n: int, rank: int, path):
+def _swiglu(lib, x: np.ndarray, w) -> np.ndarray:
+    x = np.ascontiguousarray(x, np.float32)
+    rows, k = x.shape
+    n = w.packed.shape[0] * 16
+    y = np.full((rows, n // 2), np.nan, np.float32)
+    assert lib.ortspec_q4_swiglu(x.ctypes.data, rows, k, n, w.packed.ctypes.data,
+                                 w.d.ctypes.data, w.m.ctypes.data, y.ctypes.data) == 0
+    return y
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_swiglu_is_silu_of_the_gate_times_the_up_half_of_the_product(lib, isa):
+    """Against float64 silu(g) * u of the op's own product (Q4Gemm's, tested above): gate values
+    from -100 to 100 (where exp(-|g|) underflows, sigmoid is 0 or 1) and every row count."""
+    rng = np.random.default_rng(7)
+    k, n = 576, 2 * 256
+    qw = quantize_q4gemm(_q4_1_weight(rng, n, k))
+    x = _activations(rng, 19, k)
+    x[1] *= 400  # gates far beyond exp's range
+    lib.ortspec_q4_force_isa(isa)
+    product = _gemm(lib, x, qw).astype(np.float64)
+    gate, up = product[:, :n // 2], product[:, n // 2:]
+    assert gate.min() < -90 and gate.max() > 90
+    e = np.exp(-np.abs(gate))
+    sigmoid = np.where(gate >= 0, 1 / (1 + e), e / (1 + e))
+    want = gate * sigmoid * up
+    got = _swiglu(lib, x, qw)
+    assert np.all(np.isfinite(got))
+    # exp's relative error ~2e-7, then a division and two products rounded to float32
+    tol = 8 * np.finfo(np.float32).eps * np.abs(gate * up) + np.finfo(np.float32).tiny
+    assert np.all(np.abs(got - want) <= tol)
+    alone = np.stack([_swiglu(lib, v[None], qw)[0] for v in x])
+    for rows in range(1, 20):
+        np.testing.assert_array_equal(_swiglu(lib, x[:rows], qw), alone[:rows], err_msg=f"{rows}")
+
+
+def _session(qw, k: int, n: int, rank: int, path, *, op: str = "Q4Gemm"):
     dims = ["B", "S", "T"][:rank - 1] + [k]
-    node = helper.make_node("Q4Gemm", ["x", "q", "d", "m"], ["y"], domain=kernels.DOMAIN, K=k, N=n)
+    node = helper.make_node(op, ["x", "q", "d", "m"], ["y"], domain=kernels.DOMAIN, K=k, N=n)
+    width = n // 2 if op == "Q4GemmSwiGlu" else n
     graph = helper.make_graph(
         [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, dims[:-1] + [n])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, dims[:-1] + [width])],
         [numpy_helper.from_array(qw.packed, "q"), numpy_helper.from_array(qw.d, "d"),
          numpy_helper.from_array(qw.m, "m")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
@@ -156,6 +196,20 @@ def test_onnxruntime_runs_the_op_at_any_rank_on_its_thread_pool(lib, rank, tmp_p
     np.testing.assert_array_equal(y.reshape(-1, n), _gemm(lib, x, qw))
     empty = session.run(None, {"x": np.zeros((*lead[:-1], 0, k), np.float32)})[0]
     assert empty.shape == (*lead[:-1], 0, n)
+
+
+@pytest.mark.parametrize("rank", [2, 3])
+def test_onnxruntime_runs_the_swiglu_op_on_its_thread_pool(lib, rank, tmp_path):
+    rng = np.random.default_rng(10 + rank)
+    k, n = 576, 2 * 1536  # the default model's gate and up
+    qw = quantize_q4gemm(_q4_1_weight(rng, n, k))
+    session = _session(qw, k, n, rank, tmp_path / "swiglu.onnx", op="Q4GemmSwiGlu")
+    lead = [3, 5][:rank - 1]
+    x = _activations(rng, int(np.prod(lead)), k)
+    lib.ortspec_q4_force_isa(-1)
+    y = session.run(None, {"x": x.reshape(*lead, k)})[0]
+    assert y.shape == (*lead, n // 2)
+    np.testing.assert_array_equal(y.reshape(-1, n // 2), _swiglu(lib, x, qw))
 
 
 def test_without_the_library_an_export_falls_back_or_refuses(monkeypatch, tmp_path):
