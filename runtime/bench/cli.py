@@ -146,8 +146,10 @@ def main(argv: list[str] | None = None) -> int:
             "methods": [m.name for m in methods], "anchors": args.anchors})
         if args.resume:
             checkpoint.resume()
+        # no prefix cache: each method reads the prompt itself, so methods compare alike
         model = load_model(model_dir, providers=providers_arg(args.providers),
-                           threads=args.threads, draft=(args.draft or True) if needs_draft else None)
+                           threads=args.threads, draft=(args.draft or True) if needs_draft else None,
+                           prefix_cache_mib=0)
         for m in methods:  # every method's drafter and options, before anything runs
             spec = method_drafter(m, ngram_size=args.ngram_size, max_draft_len=args.max_draft_len)
             try:

@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.overhead_requests:
             from ortspec.runtime import SpeculativeOptions, load_model
 
-            model = load_model(model_dir, max_concurrent=1)
+            model = load_model(model_dir, max_concurrent=1, prefix_cache_mib=0)
             for d in drafters:  # the same warm-up as the servers had
                 for i in range(4):
                     model.generate(prompts[i % len(prompts)], chat=True,

@@ -12,8 +12,8 @@ renders it: the same token ids for every system) greedily, prefill included in t
 cost-model draft length, one policy per model carried across prompts), genai plain and with its
 n-gram mode. The order of the systems rotates from prompt to prompt, so the machine's drift
 hits them alike; only the ratios of one run are evidence. Each speculative mode's output is
-compared with its own system's plain output (identity at temperature 0). Writes results.md and
-results.json into --out.
+compared with its own system's plain output (identity at temperature 0). ortspec's prefix cache
+is off, so every mode reads its prompt. Writes results.md and results.json into --out.
 """
 
 from __future__ import annotations
@@ -57,7 +57,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
 
-    ours = [(f"ortspec {n}", load_model(d, threads=args.threads))
+    # no prefix cache: every mode reads its prompt, as genai's do (with one, ortspec's second
+    # mode would copy the first's prompt in, and the table would time that)
+    ours = [(f"ortspec {n}", load_model(d, threads=args.threads, prefix_cache_mib=0))
             for n, d in _pairs(args.ortspec, "--ortspec")]
     theirs = [(f"genai {n}", genai_anchor.load_model(d, args.threads))
               for n, d in _pairs(args.genai, "--genai")]
