@@ -150,7 +150,7 @@ class OrtBatchBackend:
         if self.packs_tokens:  # the MatMuls run on the real tokens only
             computed = np.arange(n * s, dtype=np.int64) if real is None else \
                 np.asarray(real, np.int64)
-            if real is not None and not np.isin(wanted, computed).all():
+            if real is not None and real is not take and not np.isin(wanted, computed).all():
                 raise ValueError("every position whose logits are taken must be among the "
                                  "real ones (a position left out is computed from zeros)")
             io.bind_cpu_input(TOKEN_ROWS, token_rows_for(computed, grid=n * s,

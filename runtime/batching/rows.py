@@ -22,6 +22,31 @@ from ..validation import check_token_block, check_truncate_length
 from .backend import BatchBackend
 
 
+class Signal:
+    """A one-shot flag: `set` once by the runner's thread, `wait`ed for by the thread that
+    submitted the job. A lock held from creation and released by `set`: threading.Event's set
+    and wait run a Condition in Python, on a path every row of every call takes."""
+
+    __slots__ = ("_lock", "_set")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._set = False
+
+    def set(self) -> None:
+        if not self._set:
+            self._set = True
+            self._lock.release()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self) -> None:
+        with self._lock:
+            pass
+
+
 @dataclasses.dataclass(eq=False)
 class BatchJob:
     row: "BatchRow"
@@ -35,7 +60,7 @@ class BatchJob:
     result: np.ndarray | None = None
     hidden: np.ndarray | None = None  # [rows of result, K * hidden] where the backend has them
     error: BaseException | None = None
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    done: Signal = dataclasses.field(default_factory=Signal)
 
 
 @dataclasses.dataclass

@@ -93,6 +93,7 @@ class BatchRunner:
         self._first_wait: float | None = None  # when the oldest waiting decode job arrived
         self._call_seconds = 0.0  # running average of the batched calls' durations
         self._free_since = time.monotonic()  # when the runner's last call ended
+        self._context = 0  # active_context, as of the last call
         self._thread: threading.Thread | None = None
         self._closed = False
         # told of every decode call, on the runner's thread, by keyword: rows (with a job),
@@ -102,18 +103,22 @@ class BatchRunner:
 
     @property
     def active_rows(self) -> int:
-        """Rows decoding now (at least 1): what a row's draft-length policy prices a call at."""
-        with self._cond:
-            return max(1, len(self._decoding))
+        """Rows decoding now (at least 1): what a row's draft-length policy prices a call at.
+        Read without the lock (a set's size is read whole), as every row does every step."""
+        return max(1, len(self._decoding))
 
     @property
     def active_context(self) -> int:
-        """The mean valid length of the rows that hold a row of the pool (0 with none): the
-        context a row's draft-length policy prices a call at (a row that has just read its
-        prompt counts before its first decode job)."""
-        with self._cond:
-            rows = [r for r in self._slots if r is not None]
-        return sum(r.length for r in rows) // len(rows) if rows else 0
+        """The mean valid length of the rows that held a row of the pool after the last call
+        (0 with none): the context a row's draft-length policy prices a call at (a row that has
+        just read its prompt counts before its first decode job). Set by the runner's thread
+        after each call, read without the lock."""
+        return self._context
+
+    def _note_context(self) -> None:
+        """On the runner's thread, after a call: `active_context` now."""
+        rows = [r for r in self._slots if r is not None]
+        self._context = sum(r.length for r in rows) // len(rows) if rows else 0
 
     def row(self) -> "BatchRow":
         return BatchRow(self)
@@ -158,12 +163,17 @@ class BatchRunner:
             if job.prefill:
                 self._decoding.discard(job.row)
                 self._prefills.append(job)
+                wake = True
             else:
                 self._decoding.add(job.row)
                 self._jobs[job.row] = job
+                # the runner wakes for the first job (its wait starts) and for the one that
+                # completes the batch; those in between would only wake it to wait again
+                wake = self._first_wait is None or len(self._jobs) >= len(self._decoding)
                 if self._first_wait is None:
                     self._first_wait = time.monotonic()
-            self._cond.notify_all()
+            if wake:
+                self._cond.notify_all()
         job.done.wait()
         if job.error is not None:
             raise job.error
@@ -212,6 +222,7 @@ class BatchRunner:
             self._decode_call(jobs)
         with self._cond:
             self._free_since = time.monotonic()
+            self._note_context()
             if prefills:
                 self._prefills = collections.deque(j for j in self._prefills
                                                    if not j.done.is_set())
@@ -413,19 +424,25 @@ class BatchRunner:
                 job.done.set()
             return
         hidden = self._hidden()
+        # one copy and one finiteness check for the whole call, each job's rows a view of it;
+        # the rows woken only once every job has its result, so that their threads do not take
+        # the interpreter from the runner while it hands results out
+        results = logits.copy()  # [N, vocab]
+        finite = bool(np.isfinite(results).all())
         for i, job in by_index.items():
             n = job.tokens.size
-            rows = logits[offsets[i]:offsets[i] + n]
+            rows = results[offsets[i]:offsets[i] + n]
             row = job.row
             row.ort_seconds += seconds
-            error = non_finite_logits(rows, first_position=row.length)
+            error = None if finite else non_finite_logits(rows, first_position=row.length)
             if error is not None:
                 job.error = error
             else:
-                job.result = rows.copy()
+                job.result = rows
                 if hidden is not None:
                     job.hidden = hidden[offsets[i]:offsets[i] + n].copy()
                 row.length += n
+        for job in jobs:
             job.done.set()
         if self.call_listener is not None:  # (after the rows have their results)
             try:

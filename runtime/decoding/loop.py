@@ -134,7 +134,9 @@ def decode_steps(
     `as_decoder` here, so a decoder with only the seven members of `Decoder` decodes too.
 
     Per request: `drafter.begin(options, draft_length)` and `draft_length.begin(options)`.
-    Per step: ask the drafter for up to k tokens (k bounded by `options.max_draft_len`, the
+    Per step: unless the policy's `should_propose` says a plain step (it has lately judged no
+    draft worth verifying while other requests share the calls), ask the drafter for up to k
+    tokens (k bounded by `options.max_draft_len`, the
     tokens still wanted, the KV capacity and the decoder's `max_verify_len`; a drafter whose
     drafts cost model steps asks the policy's `limit` itself), keep the first
     `draft_length.choose(block)` of them, verify pending + drafts in one call, apply the rule,
@@ -222,7 +224,7 @@ def _speculative_steps(decoder: Decoder, held: object, prompt: list[int], drafte
             if verify_cap is not None:
                 k_max = min(k_max, verify_cap - 1)
             block = proposed = DraftBlock.empty()
-            if k_max > 0:
+            if k_max > 0 and (draft_length is None or draft_length.should_propose()):
                 t0 = time.perf_counter()
                 block = proposed = drafter.propose(history, k_max)
                 _check_block(block, k_max, vocab)

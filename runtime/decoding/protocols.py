@@ -229,9 +229,10 @@ class DraftHead(Protocol):
 class DraftLengthPolicy(Protocol):
     """How many drafted tokens a verify call takes, learned from what earlier calls showed.
 
-    Per request the decode loop calls `begin(options)` once, then per step `choose(block)`
-    after drafting, `observe_cost(n_tokens, seconds)` with the wall time of the target call,
-    and `observe(...)` with its outcome. A drafter that pays per drafted token asks `limit`
+    Per request the decode loop calls `begin(options)` once, then per step `should_propose()`
+    (False: a plain step, the drafter not asked), `choose(block)` after drafting,
+    `observe_cost(n_tokens, seconds)` with the wall time of the target call, and
+    `observe(...)` with its outcome. A drafter that pays per drafted token asks `limit`
     before drafting; a composite drafter asks `rate` which of its drafters to run (the tokens
     per second the best block of a key is expected to emit, `paid` when drafting costs a step
     per token). One policy object serves one request at a time; `Model` gives each request
@@ -239,6 +240,8 @@ class DraftLengthPolicy(Protocol):
     """
 
     def begin(self, options: "SpeculativeOptions") -> None: ...
+
+    def should_propose(self) -> bool: ...
 
     def limit(self, k_max: int, *, key: tuple[str, int], prior: float | None) -> int: ...
 

@@ -17,6 +17,12 @@ import numpy as np
 from .calibration import CostSurface
 
 CONTEXT_STEP = 32  # BatchCosts prices the rows' mean context to this many tokens
+# with other rows decoding, a block must promise this much more than a plain step (its rate,
+# tokens per second of the call) before it is drafted: the acceptance it is priced at is an
+# estimate, and where a drafted token costs most of what it saves (at 8 rows of the default
+# model, 1.0-1.3 ms of a 1.6-1.9 ms share) a block judged worth a few percent loses as often as
+# it gains, and every other row of the call waits for it
+LOAD_MARGIN = 0.08
 
 
 def _to_step(context: int) -> int:
@@ -135,6 +141,10 @@ class BatchCosts:
 
     def observe(self, n_tokens: int, seconds: float) -> None:
         """Ignored (see the class docstring)."""
+
+    def margin(self) -> float:
+        """LOAD_MARGIN with other rows decoding; 0 for a row alone."""
+        return LOAD_MARGIN if self._rows() > 1 else 0.0
 
     def draft_step(self, solo: float) -> float:
         """A row's share of a drafted token's draft step: a draft model that batches its rows'

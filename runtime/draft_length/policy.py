@@ -144,6 +144,11 @@ def expected_tokens(a: np.ndarray) -> np.ndarray:  # a: [K] -> [K + 1], E(k) for
 
 
 EXPLORE_EVERY = 16  # a model drafter judged not worth it still drafts 1 token this often
+# with other rows decoding (`CallCosts.margin` > 0), a block judged not worth verifying makes the
+# request skip the drafter for 1, then 2, 4, ... up to this many steps (a block chosen resets
+# it): under load most blocks are declined, and asking for them costs each row Python time in
+# every shared call, which the call's other rows wait for
+SKIP_MAX = 8
 
 
 class CostCorrection:
@@ -218,15 +223,23 @@ class CostCorrection:
         """A decoder of its own drafts on a draft of its own: `solo` as measured."""
         return solo
 
+    def margin(self) -> float:
+        """A request alone drafts for any expected gain: what a block costs is its own."""
+        return 0.0
+
 
 class CallCosts(Protocol):
-    """What a policy prices a block with: c'(1) .. c'(n_max), learned from timed calls or not."""
+    """What a policy prices a block with: c'(1) .. c'(n_max), learned from timed calls or not;
+    and the margin by which a block's expected rate must beat a plain step's before it is
+    drafted (0: any gain)."""
 
     def costs(self, n_max: int) -> np.ndarray: ...  # [n_max]
 
     def observe(self, n_tokens: int, seconds: float) -> None: ...
 
     def draft_step(self, solo: float) -> float: ...  # a draft step's seconds (solo: its own call)
+
+    def margin(self) -> float: ...
 
 
 class AdaptiveDraftLength:
@@ -251,6 +264,8 @@ class AdaptiveDraftLength:
         self.correction = correction or CostCorrection(curve)
         self.learn_costs = learn_costs  # False: the curve as calibrated, no timed calls
         self._skipped = 0  # consecutive steps limit() ruled out drafting
+        self._skip = 0  # plain steps left before the drafter is asked again
+        self._backoff = 0  # the last skip (doubled after each block declined under load)
         # recent k, for reports (deque appends are atomic, so views may share it)
         self.chosen: collections.deque[int] = chosen if chosen is not None else collections.deque(maxlen=4096)
 
@@ -284,11 +299,13 @@ class AdaptiveDraftLength:
 
     def _best_rate(self, a: np.ndarray, per_draft: float) -> tuple[int, float]:
         """(k, tokens per second) of the best block: the first k = 0..K maximising
-        E(k) / (c'(k + 1) + k * per_draft), E as `expected_tokens`. In plain floats: a block has
-        at most a few dozen drafts, and at that size each NumPy call costs more than the
-        arithmetic, on a path every row of a batch runs once a step."""
+        E(k) / (c'(k + 1) + k * per_draft), E as `expected_tokens`, where a block (k >= 1)
+        must beat the plain step's rate by the costs' `margin` to be chosen. In plain floats: a
+        block has at most a few dozen drafts, and at that size each NumPy call costs more than
+        the arithmetic, on a path every row of a batch runs once a step."""
         costs = self.correction.costs(a.size + 1).tolist()  # c'(1) .. c'(K + 1)
-        best_k, best = 0, 1.0 / costs[0]
+        plain = 1.0 / costs[0]
+        best_k, best = 0, plain * (1.0 + self.correction.margin())  # the bar a block must pass
         run, tokens = 1.0, 0.0  # prod a_1..a_k; sum of those products (as `expected_tokens`)
         for k, (a_k, c_k) in enumerate(zip(a.tolist(), costs[1:]), 1):
             run *= a_k
@@ -296,7 +313,7 @@ class AdaptiveDraftLength:
             rate = (1.0 + tokens) / (c_k + per_draft * k)
             if rate > best:
                 best_k, best = k, rate
-        return best_k, best
+        return best_k, best if best_k else plain
 
     def rate(self, k_max: int, *, key: tuple[str, int], prior: float | None, paid: bool) -> float:
         """The tokens per second expected of the best block of at most `k_max` drafts with
@@ -328,11 +345,26 @@ class AdaptiveDraftLength:
         a = self.acceptance.estimates(key, len(block))
         k = self._best(a, 0.0)  # the drafting is already paid for
         self.chosen.append(k)
+        if k == 0 and self.correction.margin() > 0:  # declined under load: skip a while
+            self._backoff = min(SKIP_MAX, max(1, 2 * self._backoff))
+            self._skip = self._backoff
+        elif k > 0:
+            self._backoff = 0
         return k
+
+    def should_propose(self) -> bool:
+        """Whether the decode loop asks the drafter at this step: not for the steps a block
+        declined under load skips (SKIP_MAX). Depends on earlier choices only, never on a
+        verify's random draws, so the output is distributed as before."""
+        if self._skip > 0:
+            self._skip -= 1
+            return False
+        return True
 
     def begin(self, options) -> None:
         """A request starts (called by the decode loop with its SpeculativeOptions)."""
         self.acceptance.begin_request(sampled=options.temperature > 0)
+        self._skip = self._backoff = 0
 
     def observe_cost(self, n_tokens: int, seconds: float) -> None:
         """The wall time of one target call of `n_tokens` (model call and verification)."""

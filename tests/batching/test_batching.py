@@ -30,7 +30,8 @@ from ortspec.runtime import (
 from ortspec.runtime.batching.backend import ReferenceBatchBackend
 from ortspec.runtime.batching.runner import BatchRunner
 from ortspec.runtime.draft_length.calibration import CostCurve, CostSurface
-from ortspec.runtime.draft_length.batch import BatchCorrection, BatchCosts
+from ortspec.runtime.draft_length import batch as batch_costs
+from ortspec.runtime.draft_length.batch import LOAD_MARGIN, BatchCorrection, BatchCosts
 from ortspec.runtime.draft_length.policy import AcceptanceModel, AdaptiveDraftLength
 from ortspec.runtime.errors import InvalidOptionError, NonFiniteLogitsError
 from ortspec.runtime.ort.graph_io import TOKEN_ROWS, call_width, logit_rows_for, token_rows_for
@@ -271,7 +272,7 @@ def test_the_padding_rules_on_worked_cases():
 # -- the cost surface and the per-row policy ------------------------------------------------------
 
 
-def test_cost_surface_interpolates_and_prices_a_row_by_the_batch():
+def test_cost_surface_interpolates_and_prices_a_row_by_the_batch(monkeypatch):
     surface = CostSurface(rows=(1, 4), tokens=(2, 8),
                           seconds=((1.0, 1.3), (1.6, 4.0)))
     assert surface.cost(1, 2) == 1.0 and surface.cost(4, 8) == 4.0
@@ -280,6 +281,7 @@ def test_cost_surface_interpolates_and_prices_a_row_by_the_batch():
     assert surface.cost(8, 2) == pytest.approx(2.4)  # beyond the grid: the last slope
     curve = surface.curve(1, 8)
     assert curve.seconds[0] == curve.seconds[1] == 1.0  # one token runs as two
+    monkeypatch.setattr(batch_costs, "LOAD_MARGIN", 0.0)  # the prices alone (margin: below)
     rows = [1]
     policy = AdaptiveDraftLength(CostCurve((1.0,))).for_batch_row(
         BatchCosts(surface, lambda: rows[0]))
@@ -306,6 +308,42 @@ def test_cost_surface_interpolates_and_prices_a_row_by_the_batch():
     solo_view = AdaptiveDraftLength(CostCurve(surface.curve(4, 8).seconds))
     solo_view.acceptance = policy.acceptance
     assert batched <= solo_view.choose(block)
+
+
+
+def test_under_load_a_block_must_beat_a_plain_step_by_the_margin_and_declined_ones_back_off():
+    """With other rows decoding, a block whose expected rate beats a plain step's by less
+    than LOAD_MARGIN is declined (alone the same block is drafted), and each block declined
+    under load makes the request skip the drafter for 1, 2, 4, ... SKIP_MAX steps; a block
+    chosen, or a new request, ends the skipping."""
+    from ortspec.runtime.draft_length.policy import SKIP_MAX
+
+    surface = CostSurface(rows=(1, 2), tokens=(1, 2), seconds=((1.0, 1.0), (2.0, 2.0)))
+    rows = [2]
+    policy = AdaptiveDraftLength(CostCurve((1.0,))).for_batch_row(
+        BatchCosts(surface, lambda: rows[0]))
+    block = DraftBlock.points([7], source="test", match_len=3)
+    # a row's share of a call at 2 rows: 1.0 a step, 1.0 with a draft (a free token), so a
+    # block's rate is 1 + a_1 plain steps': with every draft rejected, a_1 falls to what the
+    # prior's pseudo-counts leave, below the bar
+    for _ in range(400):
+        policy.observe(block, 1, 0, 7)
+    estimate = policy.acceptance.estimates(("test", 3), 1)[0]
+    assert 0 < estimate < LOAD_MARGIN
+    assert policy.choose(block) == 0  # under load: declined
+    steps = []
+    for _ in range(5):  # declined again each time it is asked: skips 1, 2, 4, 8, 8
+        skipped = 0
+        while not policy.should_propose():
+            skipped += 1
+        steps.append(skipped)
+        assert policy.choose(block) == 0
+    assert steps == [1, 2, 4, SKIP_MAX, SKIP_MAX]
+    rows[0] = 1  # alone: the same block gains, and nothing is skipped after it
+    policy.begin(SpeculativeOptions(4))
+    assert policy.should_propose()
+    assert policy.choose(block) == 1
+    assert all(policy.should_propose() for _ in range(3))
 
 
 def test_under_load_a_row_drafts_only_what_pays_when_every_row_drafts_alike():

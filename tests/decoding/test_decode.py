@@ -91,6 +91,9 @@ class _FixedRates:
     def limit(self, k_max, *, key, prior):
         return k_max
 
+    def should_propose(self):
+        return True
+
 
 def test_the_cost_aware_composition_drafts_with_the_drafter_the_policy_rates_higher():
     history = next(greedy_prompts())  # ends with a 4-token repeat: prompt lookup has a block
