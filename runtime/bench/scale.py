@@ -79,7 +79,7 @@ def check_shapes(value: str) -> list[str]:
 def build(shape: str, llama: LlamaCpp, work: Path, *, log=print) -> Built:
     """The random checkpoint of `shape`, its GGUF files and ortspec's export, each made once
     under `work/shape` and reused. The checkpoint and the export are made by the export's own
-    commands in subprocesses (the benchmark never imports the export)."""
+    commands in subprocesses; an export an earlier exporter revision wrote is made again."""
     root = work / shape
     hf = root / "hf"
     if not (hf / "config.json").is_file():
@@ -92,11 +92,27 @@ def build(shape: str, llama: LlamaCpp, work: Path, *, log=print) -> Built:
         quantize(llama, f16, q4_1, "Q4_1", flags=Q4_1_AS_SHIPPED)
     q4_0 = requantized(llama, q4_1, "Q4_0", root)
     export = root / f"ortspec-{DEFAULT_QUANT}"
-    if not (export / "manifest.json").is_file():
+    if _export_revision(export) != _current_revision():
         log(f"[{shape}] exporting {q4_1.name} with ortspec's default precision ({DEFAULT_QUANT})")
         _run([sys.executable, "-m", "ortspec.runtime.cli.main", "export", str(q4_1), "--out",
               str(export), "--quant", DEFAULT_QUANT, "--overwrite", "--quiet"])
     return Built(hf, q4_1, q4_0, export)
+
+
+def _export_revision(export: Path) -> int | None:
+    """The exporter revision that wrote `export` (None: no export there)."""
+    try:
+        manifest = json.loads((export / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return manifest.get("extra", {}).get("exporter_revision")
+
+
+def _current_revision() -> int:
+    """This package's exporter revision (the constant only; the export runs in a subprocess)."""
+    from ortspec.export.api import EXPORTER_REVISION
+
+    return EXPORTER_REVISION
 
 
 def _run(command: list[str]) -> None:
