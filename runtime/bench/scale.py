@@ -76,10 +76,12 @@ def check_shapes(value: str) -> list[str]:
     return shapes
 
 
-def build(shape: str, llama: LlamaCpp, work: Path, *, log=print) -> Built:
+def build(shape: str, llama: LlamaCpp, work: Path, *, reexport: bool = False,
+          log=print) -> Built:
     """The random checkpoint of `shape`, its GGUF files and ortspec's export, each made once
-    under `work/shape` and reused. The checkpoint and the export are made by the export's own
-    commands in subprocesses; an export an earlier exporter revision wrote is made again."""
+    under `work/shape` and reused (the export made again with `reexport`; the log names the
+    exporter revision of one reused). The checkpoint and the export are made by the export's
+    own commands in subprocesses (the benchmark never imports the export)."""
     root = work / shape
     hf = root / "hf"
     if not (hf / "config.json").is_file():
@@ -92,7 +94,11 @@ def build(shape: str, llama: LlamaCpp, work: Path, *, log=print) -> Built:
         quantize(llama, f16, q4_1, "Q4_1", flags=Q4_1_AS_SHIPPED)
     q4_0 = requantized(llama, q4_1, "Q4_0", root)
     export = root / f"ortspec-{DEFAULT_QUANT}"
-    if _export_revision(export) != _current_revision():
+    revision = _export_revision(export)
+    if revision is not None and not reexport:
+        log(f"[{shape}] reusing {export} (exporter revision {revision}; --reexport makes it "
+            f"again)")
+    else:
         log(f"[{shape}] exporting {q4_1.name} with ortspec's default precision ({DEFAULT_QUANT})")
         _run([sys.executable, "-m", "ortspec.runtime.cli.main", "export", str(q4_1), "--out",
               str(export), "--quant", DEFAULT_QUANT, "--overwrite", "--quiet"])
@@ -106,13 +112,6 @@ def _export_revision(export: Path) -> int | None:
     except (OSError, ValueError):
         return None
     return manifest.get("extra", {}).get("exporter_revision")
-
-
-def _current_revision() -> int:
-    """This package's exporter revision (the constant only; the export runs in a subprocess)."""
-    from ortspec.export.api import EXPORTER_REVISION
-
-    return EXPORTER_REVISION
 
 
 def _run(command: list[str]) -> None:
@@ -255,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=2048, help="llama-server's tokens")
     ap.add_argument("--reps", type=int, default=15, help="repetitions of the verify curve")
+    ap.add_argument("--reexport", action="store_true",
+                    help="export the GGUF again even where --work holds an export (after a "
+                         "change to the exporter)")
     ap.add_argument("--work", default="benchmarks/tmp/scale-work",
                     help="where checkpoints, GGUF files and exports are made and kept")
     ap.add_argument("--out", help="directory for results.json and results.md")
@@ -278,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                      "started": started}
     for shape in shapes:
         try:
-            built = build(shape, llama, Path(args.work), log=log)
+            built = build(shape, llama, Path(args.work), reexport=args.reexport, log=log)
             records = race(built, llama, questions, threads=args.threads,
                            max_tokens=args.max_tokens, rounds=args.rounds,
                            context=args.context, log=log)

@@ -137,12 +137,26 @@ static int product(const Weight *w, const float *x, int64_t rows, float *y, void
 #endif
 }
 
-/* The tests' entry points: the whole product on the calling thread. */
-int ortspec_q4_gemm(const float *x, int64_t rows, int64_t k, int64_t n, const uint8_t *q,
-                    const uint16_t *d, const uint16_t *m, float *y) {
+static int swiglu_product(const Weight *w, const float *x, int64_t rows, float *y,
+                          void *context);
+
+/* The tests' entry points: the whole product (Q4Gemm's, or Q4GemmSwiGlu's with `swiglu`) on the
+ * calling thread. */
+static int q4_entry(const float *x, int64_t rows, int64_t k, int64_t n, const uint8_t *q,
+                    const uint16_t *d, const uint16_t *m, float *y, int swiglu) {
     if (ortspec_q4_isa() == 0 || k % QK || n % TILE) return -1;
     Weight w = {OP_Q4, k, n, q, d, m};
-    return product(&w, x, rows, y, NULL);
+    return swiglu ? swiglu_product(&w, x, rows, y, NULL) : product(&w, x, rows, y, NULL);
+}
+
+int ortspec_q4_gemm(const float *x, int64_t rows, int64_t k, int64_t n, const uint8_t *q,
+                    const uint16_t *d, const uint16_t *m, float *y) {
+    return q4_entry(x, rows, k, n, q, d, m, y, 0);
+}
+
+int ortspec_q4_swiglu(const float *x, int64_t rows, int64_t k, int64_t n, const uint8_t *q,
+                      const uint16_t *d, const uint16_t *m, float *y) {
+    return q4_entry(x, rows, k, n, q, d, m, y, 1);
 }
 
 int ortspec_q8_gemm(const float *x, int64_t rows, int64_t k, int64_t n, const uint8_t *b,
@@ -218,14 +232,6 @@ static int swiglu_product(const Weight *w, const float *x, int64_t rows, float *
     (void)w; (void)x; (void)rows; (void)y; (void)context;
     return -1;
 #endif
-}
-
-/* The tests' entry point for Q4GemmSwiGlu, on the calling thread. */
-int ortspec_q4_swiglu(const float *x, int64_t rows, int64_t k, int64_t n, const uint8_t *q,
-                      const uint16_t *d, const uint16_t *m, float *y) {
-    if (ortspec_q4_isa() == 0 || k % QK || n % TILE) return -1;
-    Weight w = {OP_Q4, k, n, q, d, m};
-    return swiglu_product(&w, x, rows, y, NULL);
 }
 
 static void kernel_compute(void *state, void *context) {
