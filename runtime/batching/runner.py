@@ -423,27 +423,35 @@ class BatchRunner:
                 job.error = e
                 job.done.set()
             return
-        hidden = self._hidden()
         # one copy and one finiteness check for the whole call, each job's rows a view of it;
         # the rows woken only once every job has its result, so that their threads do not take
-        # the interpreter from the runner while it hands results out
-        results = logits.copy()  # [N, vocab]
-        finite = bool(np.isfinite(results).all())
-        for i, job in by_index.items():
-            n = job.tokens.size
-            rows = results[offsets[i]:offsets[i] + n]
-            row = job.row
-            row.ort_seconds += seconds
-            error = None if finite else non_finite_logits(rows, first_position=row.length)
-            if error is not None:
-                job.error = error
-            else:
-                job.result = rows
-                if hidden is not None:
-                    job.hidden = hidden[offsets[i]:offsets[i] + n].copy()
-                row.length += n
-        for job in jobs:
-            job.done.set()
+        # the interpreter from the runner while it hands results out; whatever fails here
+        # fails the jobs left without a result, and every job is woken
+        try:
+            hidden = self._hidden()
+            results = logits.copy()  # [N, vocab]
+            finite = bool(np.isfinite(results).all())
+            for i, job in by_index.items():
+                n = job.tokens.size
+                rows = results[offsets[i]:offsets[i] + n]
+                row = job.row
+                row.ort_seconds += seconds
+                error = None if finite else non_finite_logits(rows, first_position=row.length)
+                if error is not None:
+                    job.error = error
+                else:
+                    job.result = rows
+                    if hidden is not None:
+                        job.hidden = hidden[offsets[i]:offsets[i] + n].copy()
+                    row.length += n
+        except Exception as e:  # noqa: BLE001 - handed to the jobs without a result
+            log.exception("handing out the results of a batched call failed")
+            for job in jobs:
+                if job.result is None and job.error is None:
+                    job.error = e
+        finally:
+            for job in jobs:
+                job.done.set()
         if self.call_listener is not None:  # (after the rows have their results)
             try:
                 self.call_listener(rows=len(jobs), span=hi, tokens=int(take.size),

@@ -501,6 +501,37 @@ def test_the_runner_tells_its_listener_of_every_decode_call():
     assert all(call["seconds"] > 0 for call in heard)
 
 
+def test_a_call_whose_results_cannot_be_handed_out_fails_its_jobs_and_the_runner_serves_on():
+    """A backend that fails after its call (here: its hidden states) fails every request in
+    that call with its error, none left waiting, and the next call serves."""
+    broken = [True]
+
+    class Failing(ReferenceBatchBackend):
+        def last_hidden(self):
+            if broken[0]:
+                raise RuntimeError("no hidden states")
+            return np.zeros((64, 8), np.float32)
+
+    backend = Failing(GREEDY, max_rows=2, max_call=8)
+    runner = BatchRunner(backend, max_verify_len=8)
+    rows = [runner.row(), runner.row()]
+    for row, prompt in zip(rows, _prompts(2)):
+        row.prefill(prompt[:5])
+    backend.hidden_state_layers = (1,)  # from now on the calls return hidden states
+
+    def step(row):
+        with pytest.raises(RuntimeError, match="no hidden states"):
+            row.forward_token(3)
+        return True
+
+    assert in_threads(step, rows, timeout=60) == [True, True]
+    broken[0] = False
+    assert rows[0].forward_token(3).shape == (GREEDY.vocab_size,)
+    for row in rows:
+        row.release()
+    runner.close()
+
+
 def test_a_failing_call_listener_leaves_the_runner_serving():
     runner = BatchRunner(ReferenceBatchBackend(GREEDY, max_rows=1, max_call=8), max_verify_len=8)
 
