@@ -71,9 +71,7 @@ class GraphBuilder:
                fused: str | None = None) -> str:
         """x @ concat(names).T (+ concat(biases)); several weights fuse into one MatMul."""
         name = fused or names[0]
-        arrs = [np.asarray(self._get(n), dtype=np.float32) for n in names]
-        w = np.concatenate(arrs, axis=0)  # [out, in]
-        del arrs
+        w = self._stacked(names)  # [out, in]
         q = self.options.quant
         if q is not None and w.shape[1] % q.block_size == 0:
             qw = self.add_quantized(name, w, bits=q.bits, scheme=q.scheme)
@@ -101,19 +99,18 @@ class GraphBuilder:
         if q is None or (q.kernel, q.bits, q.scheme, q.block_size) != \
                 ("ortspec", 4, "block-min", 32) or any(self._get(b) is not None for b in bias_names):
             return None
-        arrs = [np.asarray(self._get(n), dtype=np.float32) for n in names]
-        w = np.concatenate(arrs, axis=0)  # [2 * intermediate, in]
-        del arrs
+        w = self._stacked(names)  # [2 * intermediate, in]
         if w.shape[1] % q.block_size or w.shape[0] % (2 * Q4GEMM_TILE):
             return None
         qw = self.add_quantized(fused, w, bits=4, scheme="block-min")
         del w
-        if qw.op != "Q4Gemm":
-            return None
+        assert qw.op == "Q4Gemm"  # what add_quantized makes of such a weight
         self.kernel_weights += names
-        self.quantized.append(qw.name)
-        return self.g.op1("Q4GemmSwiGlu", [x, *qw.inputs], domain=ORTSPEC_DOMAIN,
-                          name=f"{qw.name}/q4gemmswiglu", K=qw.k, N=qw.n)
+        return self.matmul_nbits(x, dataclasses.replace(qw, op="Q4GemmSwiGlu"))
+
+    def _stacked(self, names: list[str]) -> np.ndarray:  # [sum of outs, in] float32
+        """The checkpoint's weights `names` stacked along their outputs."""
+        return np.concatenate([np.asarray(self._get(n), dtype=np.float32) for n in names], axis=0)
 
     def embedding(self, ids: str = gio.INPUT_IDS) -> str:
         """ids (input_ids [B, S], or the packed graph's [M]) -> [*ids.shape, hidden]: a Gather
@@ -175,7 +172,7 @@ class GraphBuilder:
         """x [rows, K] @ w.T through MatMulNBits, plus the block-min offsets' product (or
         through the ortspec op add_quantized chose, which holds the block minima itself)."""
         q = self.options.quant
-        if w.op != "MatMulNBits":  # ortspec.Q4Gemm or Q8Gemm
+        if w.op != "MatMulNBits":  # ortspec.Q4Gemm, Q4GemmSwiGlu or Q8Gemm
             self.quantized.append(w.name)
             return self.g.op1(w.op, [x, *w.inputs], domain=ORTSPEC_DOMAIN,
                               name=f"{w.name}/{w.op.lower()}", K=w.k, N=w.n)

@@ -109,7 +109,7 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
         if flat:
             x = b.g.op1("Reshape", [x, b.g.const("shape_rows_hidden",
                                                  np.array([-1, spec.hidden_size], np.int64))])
-        grids: dict[str, str] = {}  # the [B, S, qkv] shape, made once a layer reshapes
+        grid_qkv: str | None = None  # the [B, S, qkv] shape, made once a layer reshapes
         if spec.embed_scale != 1.0:  # Gemma: times sqrt(hidden), in the weights' dtype
             x = b.g.op1("Mul", [x, b.g.const("embed_scale", np.array(
                 spec.embed_scale, NUMPY_DTYPES[options.dtype]))])
@@ -126,10 +126,10 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
                 attn = attend_rows(b, i, qkv, context)  # [B * S, heads * head_dim]
             else:
                 if flat:
-                    if not grids:
-                        grids["qkv"] = b.g.op1("Concat", [b.g.op1("Shape", [gio.INPUT_IDS]), b.g.const(
+                    if grid_qkv is None:
+                        grid_qkv = b.g.op1("Concat", [b.g.op1("Shape", [gio.INPUT_IDS]), b.g.const(
                             f"width_{spec.qkv_dim}", np.array([spec.qkv_dim], np.int64))], axis=0)
-                    qkv = b.g.op1("Reshape", [qkv, grids["qkv"]])  # [B, S, qkv_dim]
+                    qkv = b.g.op1("Reshape", [qkv, grid_qkv])  # [B, S, qkv_dim]
                 attn = flavour.attention(b, i, qkv, context)  # [B, S | M, heads * head_dim]
                 if flat:
                     attn = b.g.op1("Reshape", [attn, b.g.const(
