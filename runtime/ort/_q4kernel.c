@@ -362,7 +362,7 @@ typedef struct {
     const float *q, *k, *v;
     const int64_t *positions, *rows;
     float *y;
-    int64_t b, s, kv, cap, hd;
+    int64_t b, s, kv, cap, hd, m;  /* m: the token rows */
 } AttentionJob;
 
 static __thread float *attn_scratch;  /* the scores of one query */
@@ -390,11 +390,12 @@ static void attend_to(const Attention *op, const float *q, int64_t group, const 
 #endif
 }
 
-/* task i: token row i / kv, the query heads of KV head i % kv */
+/* task i: the query heads of KV head i / M in token row i % M (M token rows): the tasks of one
+ * KV head follow each other, so its cache rows stay in the cache from one token row to the next */
 static void attention_task(void *data, size_t i) {
     AttentionJob *job = data;
     int64_t kv = job->kv, hd = job->hd, group = job->op->heads / kv;
-    int64_t m = (int64_t)i / kv, h = (int64_t)i % kv, width = job->op->heads * hd;
+    int64_t m = (int64_t)i % job->m, h = (int64_t)i / job->m, width = job->op->heads * hd;
     float *y = job->y + m * width + h * group * hd;
     int64_t flat = job->rows[m], p = -1;
     if (flat >= 0 && flat < job->b * job->s) p = job->positions[flat];
@@ -428,7 +429,7 @@ static void attention_compute(void *state, void *context) {
         for (int64_t i = 0; i < out[0] * out[1]; i++) y[i] = __builtin_nanf("");
         return;
     }
-    AttentionJob job = {op, q, k, v, positions, rows, y, qd[0], qd[1], kd[1], kd[2], kd[3]};
+    AttentionJob job = {op, q, k, v, positions, rows, y, qd[0], qd[1], kd[1], kd[2], kd[3], rd[0]};
     size_t tasks = (size_t)(rd[0] * kd[1]);
     if (tasks <= 1 || failed(FN(API_KernelContext_ParallelFor, parallel_for_t)(
                                   context, attention_task, tasks, 0, &job)))
@@ -481,7 +482,7 @@ typedef struct {
     const float *k, *v;  /* the present cache */
     const int64_t *positions, *rows;
     float *y;
-    int64_t b, s, kv, cap, hd, width;
+    int64_t b, s, kv, cap, hd, width, m;  /* m: the token rows */
 } RotaryJob;
 
 static __thread float *rotary_scratch;  /* a group's rotated queries */
@@ -500,12 +501,13 @@ static void rotate(const float *x, const float *cos, const float *sin, int64_t r
     for (int64_t i = r; i < hd; i++) out[i] = x[i];
 }
 
-/* task i: token row i / kv, the query heads of KV head i % kv, rotated into scratch first
- * (rotary_compute has checked every position of the call against the cache and the tables) */
+/* task i: the query heads of KV head i / M in token row i % M, rotated into scratch first, in
+ * CacheAttention's order (rotary_compute has checked every position of the call against the
+ * cache and the tables) */
 static void rotary_task(void *data, size_t i) {
     RotaryJob *job = data;
     int64_t kv = job->kv, hd = job->hd, heads = job->op->base.heads, group = heads / kv;
-    int64_t m = (int64_t)i / kv, h = (int64_t)i % kv;
+    int64_t m = (int64_t)i % job->m, h = (int64_t)i / job->m;
     float *y = job->y + m * heads * hd + h * group * hd;
     int64_t flat = job->rows[m], p = -1;
     if (flat >= 0 && flat < job->b * job->s) p = job->positions[flat];
@@ -572,7 +574,7 @@ static void rotary_compute(void *state, void *context) {
     }
     if (!y || rd[0] == 0) return;
     RotaryJob job = {op, qkv, cos, sin, kc, vc, positions, rows, y, xd[0], xd[1], kv, cap, hd,
-                     width};
+                     width, rd[0]};
     size_t tasks = (size_t)(rd[0] * kv);
     if (tasks <= 1 || failed(FN(API_KernelContext_ParallelFor, parallel_for_t)(
                                   context, rotary_task, tasks, 0, &job)))

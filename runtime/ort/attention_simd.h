@@ -38,89 +38,106 @@ static INLINE AVX2 float sum256(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-/* the sums of eight vectors' lanes, [sum a0, ..., sum a7] */
-static INLINE AVX2 __m256 sums8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
-                                __m256 a6, __m256 a7) {
-    __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-    return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+/* the sums of four vectors' lanes, [sum a0, ..., sum a3]: within each 128-bit half the pairs,
+ * then the pairs of pairs, and last the two halves */
+static INLINE AVX2 __m128 sums4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* e_g [j0 .. j0 + 3] for G (1 to 3) queries from q (q_g at q + g * hd) and four keys r[0..3]:
+ * every key loaded once for the G queries, one sum of eight lanes a query and key; a head size
+ * past a multiple of 8 adds its tail per key in order before the scale */
+static INLINE AVX2 void scores_block(int G, const float *q, const float *const *r, int64_t hd,
+                                     float scale, float *e, int64_t stride) {
+    int64_t wide = hd & ~(int64_t)7;
+    __m256 a[3][4];
+    for (int g = 0; g < G; g++)
+        for (int u = 0; u < 4; u++) a[g][u] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < wide; d += 8) {
+        __m256 x[3];
+        for (int g = 0; g < G; g++) x[g] = _mm256_loadu_ps(q + g * hd + d);
+        for (int u = 0; u < 4; u++) {
+            __m256 kd = _mm256_loadu_ps(r[u] + d);
+            for (int g = 0; g < G; g++) a[g][u] = _mm256_fmadd_ps(x[g], kd, a[g][u]);
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        __m128 s = sums4(a[g][0], a[g][1], a[g][2], a[g][3]);
+        float *out = e + g * stride;
+        if (wide == hd) {
+            _mm_storeu_ps(out, _mm_mul_ps(_mm_set1_ps(scale), s));
+            continue;
+        }
+        _mm_storeu_ps(out, s);
+        for (int u = 0; u < 4; u++) {
+            float t = out[u];
+            for (int64_t d = wide; d < hd; d++) t += q[g * hd + d] * r[u][d];
+            out[u] = scale * t;
+        }
+    }
 }
 
 /* e_g [n rounded up to 8] = scale * <q_g, k_j> for the group's G queries (q [G, hd], e_g at
- * e + g * stride) and the n keys from k: eight keys at a time, each block read once for the whole
- * group, with eight independent sums a query (the last block repeats the last key, so every
- * key's score is summed alike); a head size past a multiple of 8 adds its tail per key in order */
+ * e + g * stride) and the n keys from k: four keys at a time for three queries at a time (the
+ * last block repeats the last key, and the padding up to 8 gets the last key's score too) */
 static AVX2 void scores(const float *q, int64_t group, const float *k, int64_t hd, int64_t n,
                         float scale, float *e, int64_t stride) {
-    int64_t wide = hd & ~(int64_t)7;
-    for (int64_t j0 = 0; j0 < n; j0 += 8) {
-        const float *r[8];
-        for (int u = 0; u < 8; u++) r[u] = k + (j0 + u < n ? j0 + u : n - 1) * hd;
-        for (int64_t g = 0; g < group; g++) {
-            const float *x = q + g * hd;
-            float *out = e + g * stride + j0;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
-                   a7 = a0;
-            for (int64_t d = 0; d < wide; d += 8) {
-                __m256 xd = _mm256_loadu_ps(x + d);
-                a0 = _mm256_fmadd_ps(xd, _mm256_loadu_ps(r[0] + d), a0);
-                a1 = _mm256_fmadd_ps(xd, _mm256_loadu_ps(r[1] + d), a1);
-                a2 = _mm256_fmadd_ps(xd, _mm256_loadu_ps(r[2] + d), a2);
-                a3 = _mm256_fmadd_ps(xd, _mm256_loadu_ps(r[3] + d), a3);
-                a4 = _mm256_fmadd_ps(xd, _mm256_loadu_ps(r[4] + d), a4);
-                a5 = _mm256_fmadd_ps(xd, _mm256_loadu_ps(r[5] + d), a5);
-                a6 = _mm256_fmadd_ps(xd, _mm256_loadu_ps(r[6] + d), a6);
-                a7 = _mm256_fmadd_ps(xd, _mm256_loadu_ps(r[7] + d), a7);
-            }
-            _mm256_storeu_ps(out, sums8(a0, a1, a2, a3, a4, a5, a6, a7));
-            for (int u = 0; u < 8; u++) {
-                float t = out[u];
-                for (int64_t d = wide; d < hd; d++) t += x[d] * r[u][d];
-                out[u] = scale * t;
-            }
+    int64_t padded = (n + 7) & ~(int64_t)7;
+    for (int64_t j0 = 0; j0 < padded; j0 += 4) {
+        const float *r[4];
+        for (int u = 0; u < 4; u++) r[u] = k + (j0 + u < n ? j0 + u : n - 1) * hd;
+        for (int64_t g = 0; g < group; g += 3) {
+            int64_t left = group - g;
+            const float *qg = q + g * hd;
+            float *eg = e + g * stride + j0;
+            if (left >= 3) scores_block(3, qg, r, hd, scale, eg, stride);
+            else if (left == 2) scores_block(2, qg, r, hd, scale, eg, stride);
+            else scores_block(1, qg, r, hd, scale, eg, stride);
         }
     }
 }
 
 #define VALUE_BLOCK 32 /* value rows a block, read once for the whole group */
 
+/* y_g [d .. d + 31] += sum_j e_g[j] v_j[d .. d + 31] over rows j0 .. j1 - 1, for G (1 to 3)
+ * queries: each 8 values of a row loaded once for the G queries, every output summed in row
+ * order */
+static INLINE AVX2 void values_block(int G, const float *e, int64_t stride, const float *v,
+                                     int64_t hd, int64_t j0, int64_t j1, float *y) {
+    __m256 a[3][4];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < 4; c++) a[g][c] = _mm256_loadu_ps(y + g * hd + 8 * c);
+    for (int64_t j = j0; j < j1; j++) {
+        __m256 w[3];
+        for (int g = 0; g < G; g++) w[g] = _mm256_set1_ps(e[g * stride + j]);
+        const float *r = v + j * hd;
+        for (int c = 0; c < 4; c++) {
+            __m256 vc = _mm256_loadu_ps(r + 8 * c);
+            for (int g = 0; g < G; g++) a[g][c] = _mm256_fmadd_ps(w[g], vc, a[g][c]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < 4; c++) _mm256_storeu_ps(y + g * hd + 8 * c, a[g][c]);
+}
+
 /* y_g [hd] = sum_j e_g[j] v_j over the n value rows from v (y [G, hd], e_g at e + g * stride),
- * each output summed in row order: where hd is a multiple of 64, 64 outputs of a query at a time
- * in registers, a block of rows after another; else through y */
+ * each output summed in row order: where hd is a multiple of 32, 32 outputs of up to three
+ * queries at a time in registers, a block of rows after another; else through y */
 static AVX2 void weighted_values(const float *e, int64_t stride, int64_t group, const float *v,
                                  int64_t hd, int64_t n, float *y) {
     for (int64_t i = 0; i < group * hd; i++) y[i] = 0.f;
-    if (hd % 64 == 0) {
-        for (int64_t d = 0; d < hd; d += 64)
+    if (hd % 32 == 0) {
+        for (int64_t d = 0; d < hd; d += 32)
             for (int64_t j0 = 0; j0 < n; j0 += VALUE_BLOCK) {
                 int64_t j1 = j0 + VALUE_BLOCK < n ? j0 + VALUE_BLOCK : n;
-                for (int64_t g = 0; g < group; g++) {
-                    float *out = y + g * hd + d;
-                    const float *w = e + g * stride;
-                    __m256 a0 = _mm256_loadu_ps(out), a1 = _mm256_loadu_ps(out + 8);
-                    __m256 a2 = _mm256_loadu_ps(out + 16), a3 = _mm256_loadu_ps(out + 24);
-                    __m256 a4 = _mm256_loadu_ps(out + 32), a5 = _mm256_loadu_ps(out + 40);
-                    __m256 a6 = _mm256_loadu_ps(out + 48), a7 = _mm256_loadu_ps(out + 56);
-                    for (int64_t j = j0; j < j1; j++) {
-                        const float *r = v + j * hd + d;
-                        __m256 wj = _mm256_set1_ps(w[j]);
-                        a0 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(r), a0);
-                        a1 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(r + 8), a1);
-                        a2 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(r + 16), a2);
-                        a3 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(r + 24), a3);
-                        a4 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(r + 32), a4);
-                        a5 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(r + 40), a5);
-                        a6 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(r + 48), a6);
-                        a7 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(r + 56), a7);
-                    }
-                    _mm256_storeu_ps(out, a0);
-                    _mm256_storeu_ps(out + 8, a1);
-                    _mm256_storeu_ps(out + 16, a2);
-                    _mm256_storeu_ps(out + 24, a3);
-                    _mm256_storeu_ps(out + 32, a4);
-                    _mm256_storeu_ps(out + 40, a5);
-                    _mm256_storeu_ps(out + 48, a6);
-                    _mm256_storeu_ps(out + 56, a7);
+                for (int64_t g = 0; g < group; g += 3) {
+                    int64_t left = group - g;
+                    const float *eg = e + g * stride;
+                    float *yg = y + g * hd + d;
+                    if (left >= 3) values_block(3, eg, stride, v + d, hd, j0, j1, yg);
+                    else if (left == 2) values_block(2, eg, stride, v + d, hd, j0, j1, yg);
+                    else values_block(1, eg, stride, v + d, hd, j0, j1, yg);
                 }
             }
         return;
