@@ -45,6 +45,15 @@ static int detect_isa(void) { return 0; }
 
 #include "ort_abi.h"
 
+/* fn(data, i) for every i < total: over onnxruntime's intra-op pool through the kernel context,
+ * else on this thread (context NULL: the tests' entry points) */
+static void parallel(void *context, void (*fn)(void *, size_t), size_t total, void *data) {
+    if (context && total > 1 &&
+        !failed(FN(API_KernelContext_ParallelFor, parallel_for_t)(context, fn, total, 0, data)))
+        return;  /* (where the pool failed, every task runs again here) */
+    for (size_t i = 0; i < total; i++) fn(data, i);
+}
+
 static int isa = -1, forced_isa = -1;
 
 /* 2: AVX-512 VNNI, 1: AVX2 and FMA, 0: no kernel for this CPU */
@@ -124,12 +133,7 @@ static int product(const Weight *w, const float *x, int64_t rows, float *y, void
     int64_t tiles = w->n / TILE;
     /* chunks enough for the pool to balance, each of whole tiles */
     Work job = {w, &a, y, tiles, tiles < 16 ? tiles : 16};
-    if (!context || job.chunks <= 1)
-        run_tiles(w, &a, y, 0, tiles);
-    else if (FN(API_KernelContext_ParallelFor, parallel_for_t)(context, work_chunk,
-                                                               (size_t)job.chunks, 0, &job)) {
-        run_tiles(w, &a, y, 0, tiles);  /* (the status is the pool's; the work is redone here) */
-    }
+    parallel(context, work_chunk, (size_t)job.chunks, &job);
     return 0;
 #else
     (void)w; (void)x; (void)rows; (void)y; (void)context;
@@ -237,12 +241,12 @@ static int swiglu_product(const Weight *w, const float *x, int64_t rows, float *
 static void kernel_compute(void *state, void *context) {
     Kernel *kern = state;
     Weight w = kern->w;
-    size_t rank = 0, unused_rank;
-    int64_t dims[8], unused_dims[8];
-    if (w.op == OP_Q4) {  /* the weight is the op's inputs 1-3 */
-        w.q = input_of(context, 1, unused_dims, &unused_rank);
-        w.d = input_of(context, 2, unused_dims, &unused_rank);
-        w.m = input_of(context, 3, unused_dims, &unused_rank);
+    size_t rank = 0;
+    int64_t dims[8];
+    if (w.op == OP_Q4) {  /* the weight is the op's inputs 1-3, sized by the exporter */
+        w.q = data_input(context, 1);
+        w.d = data_input(context, 2);
+        w.m = data_input(context, 3);
         if (!w.q || !w.d || !w.m) return;
     }
     float *x = input_of(context, 0, dims, &rank);  /* NULL for an empty x, whose shape is read */
@@ -431,9 +435,7 @@ static void attention_compute(void *state, void *context) {
     }
     AttentionJob job = {op, q, k, v, positions, rows, y, qd[0], qd[1], kd[1], kd[2], kd[3], rd[0]};
     size_t tasks = (size_t)(rd[0] * kd[1]);
-    if (tasks <= 1 || failed(FN(API_KernelContext_ParallelFor, parallel_for_t)(
-                                  context, attention_task, tasks, 0, &job)))
-        for (size_t i = 0; i < tasks; i++) attention_task(&job, i);
+    parallel(context, attention_task, tasks, &job);
 }
 
 static void *create_attention(const void *unused_op, const void *unused, const void *info) {
@@ -576,9 +578,7 @@ static void rotary_compute(void *state, void *context) {
     RotaryJob job = {op, qkv, cos, sin, kc, vc, positions, rows, y, xd[0], xd[1], kv, cap, hd,
                      width, rd[0]};
     size_t tasks = (size_t)(rd[0] * kv);
-    if (tasks <= 1 || failed(FN(API_KernelContext_ParallelFor, parallel_for_t)(
-                                  context, rotary_task, tasks, 0, &job)))
-        for (size_t i = 0; i < tasks; i++) rotary_task(&job, i);
+    parallel(context, rotary_task, tasks, &job);
 }
 
 static void *create_rotary(const void *unused_op, const void *unused, const void *info) {

@@ -65,6 +65,15 @@ static int shape_of(const void *value, int64_t *dims, size_t *rank) {
     return bad ? -1 : 0;
 }
 
+/* input i of a kernel's context: its data alone (no shape is read: a weight the exporter sized),
+ * NULL where it cannot be read or the tensor is empty */
+static void *data_input(void *context, size_t i) {
+    const void *value;
+    if (failed(FN(API_KernelContext_GetInput, get_input_t)(context, i, &value)) || !value)
+        return NULL;
+    return data_of(value);
+}
+
 /* input i of a kernel's context: its data, NULL where it cannot be read or the tensor is empty;
  * dims and rank are filled wherever the shape can be read (rank stays as passed otherwise) */
 static void *input_of(void *context, size_t i, int64_t *dims, size_t *rank) {
