@@ -29,9 +29,20 @@
  * evicted its own activations */
 #define QX_PAD 64
 
+/* bytes ahead of the block being read that the kernels ask the cache for: a step reads every
+ * weight once from memory, faster than the hardware prefetcher alone fetches it (measured on
+ * Q4 weights past the cache: a one-row product 0.72x the time, eight rows 0.86x) */
+#define PREFETCH_AHEAD 4096
+
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 #define INLINE __attribute__((always_inline)) inline
+
+/* `lines` cache lines from `ahead` bytes past p, the block about to be read (an address past the
+ * weight's end is only a hint: nothing is read there) */
+static INLINE void prefetch(const void *p, int64_t ahead, int lines) {
+    for (int i = 0; i < lines; i++) _mm_prefetch((const char *)p + ahead + 64 * i, _MM_HINT_T0);
+}
 
 static AVX2 void quantize_rows(const float *x, int64_t rows, int64_t k, int64_t stride,
                                int8_t *qx, float *sx, float *bx, int32_t *ix, float *qs) {
@@ -96,6 +107,11 @@ static AVX512 INLINE void q4_tile512(int R, const Activations *a, int64_t r0, co
     const __m512 zero = _mm512_setzero_ps(), fifteen = _mm512_set1_ps(15.f);
     for (int64_t b = 0; b < nb; b++) {
         __m512i w[8];
+        prefetch(q + b * 256, PREFETCH_AHEAD, 4);
+        if ((b & 1) == 0) {  /* d and m: 32 bytes a block each, an eighth of q's 256 */
+            prefetch(d + b * TILE, PREFETCH_AHEAD / 8, 1);
+            prefetch(m + b * TILE, PREFETCH_AHEAD / 8, 1);
+        }
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) {
             __m512i packed = _mm512_loadu_si512((const void *)(q + b * 256 + j * 64));
@@ -138,6 +154,11 @@ static AVX2 INLINE void q4_tile256(int R, const Activations *a, int64_t r0, cons
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const __m256 zero = _mm256_setzero_ps(), fifteen = _mm256_set1_ps(15.f);
     for (int64_t b = 0; b < nb; b++) {
+        prefetch(q + b * 256, PREFETCH_AHEAD, 4);
+        if ((b & 1) == 0) {
+            prefetch(d + b * TILE, PREFETCH_AHEAD / 8, 1);
+            prefetch(m + b * TILE, PREFETCH_AHEAD / 8, 1);
+        }
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             __m256i w[8];
@@ -190,6 +211,8 @@ static AVX512 INLINE void q8_tile512(int R, const Activations *a, int64_t r0, co
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         __m512i w[8];
+        prefetch(q + b * 512, PREFETCH_AHEAD, 8);
+        prefetch(d + b * TILE, PREFETCH_AHEAD / 8, 1);  /* 64 bytes a block, an eighth of q's */
 #pragma GCC unroll 8
         for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512((const void *)(q + b * 512 + g * 64));
         __m512 dv = _mm512_loadu_ps(d + b * TILE);
@@ -219,6 +242,8 @@ static AVX2 INLINE void q8_tile256(int R, const Activations *a, int64_t r0, cons
     for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < nb; b++) {
+        prefetch(q + b * 512, PREFETCH_AHEAD, 8);
+        prefetch(d + b * TILE, PREFETCH_AHEAD / 8, 1);
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             __m256i w[8];
