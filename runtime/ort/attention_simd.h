@@ -38,6 +38,15 @@ static INLINE AVX2 float sum256(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
+#define ROWS_AHEAD 16 /* cache rows asked for ahead of the one being read */
+
+/* row j of rows [n, hd] into the cache, where j < n (the keys or values a loop reads soon) */
+static INLINE AVX2 void prefetch_row(const float *rows, int64_t j, int64_t n, int64_t hd) {
+    if (j >= n) return;
+    const char *p = (const char *)(rows + j * hd);
+    for (int64_t b = 0; b < hd * (int64_t)sizeof(float); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
 /* the sums of four vectors' lanes, [sum a0, ..., sum a3]: within each 128-bit half the pairs,
  * then the pairs of pairs, and last the two halves */
 static INLINE AVX2 __m128 sums4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
@@ -87,6 +96,7 @@ static AVX2 void scores(const float *q, int64_t group, const float *k, int64_t h
     for (int64_t j0 = 0; j0 < padded; j0 += 4) {
         const float *r[4];
         for (int u = 0; u < 4; u++) r[u] = k + (j0 + u < n ? j0 + u : n - 1) * hd;
+        for (int u = 0; u < 4; u++) prefetch_row(k, j0 + ROWS_AHEAD + u, n, hd);
         for (int64_t g = 0; g < group; g += 3) {
             int64_t left = group - g;
             const float *qg = q + g * hd;
@@ -104,11 +114,12 @@ static AVX2 void scores(const float *q, int64_t group, const float *k, int64_t h
  * queries: each 8 values of a row loaded once for the G queries, every output summed in row
  * order */
 static INLINE AVX2 void values_block(int G, const float *e, int64_t stride, const float *v,
-                                     int64_t hd, int64_t j0, int64_t j1, float *y) {
+                                     int64_t hd, int64_t j0, int64_t j1, float *y, int64_t ahead) {
     __m256 a[3][4];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < 4; c++) a[g][c] = _mm256_loadu_ps(y + g * hd + 8 * c);
     for (int64_t j = j0; j < j1; j++) {
+        prefetch_row(v, j + ROWS_AHEAD, ahead, hd);  /* ahead: the rows to ask for (0: none) */
         __m256 w[3];
         for (int g = 0; g < G; g++) w[g] = _mm256_set1_ps(e[g * stride + j]);
         const float *r = v + j * hd;
@@ -122,22 +133,24 @@ static INLINE AVX2 void values_block(int G, const float *e, int64_t stride, cons
 }
 
 /* y_g [hd] = sum_j e_g[j] v_j over the n value rows from v (y [G, hd], e_g at e + g * stride),
- * each output summed in row order: where hd is a multiple of 32, 32 outputs of up to three
- * queries at a time in registers, a block of rows after another; else through y */
+ * each output summed in row order: where hd is a multiple of 32, a block of rows after another,
+ * and in each, 32 outputs of up to three queries at a time in registers; else through y */
 static AVX2 void weighted_values(const float *e, int64_t stride, int64_t group, const float *v,
                                  int64_t hd, int64_t n, float *y) {
     for (int64_t i = 0; i < group * hd; i++) y[i] = 0.f;
     if (hd % 32 == 0) {
-        for (int64_t d = 0; d < hd; d += 32)
-            for (int64_t j0 = 0; j0 < n; j0 += VALUE_BLOCK) {
+        for (int64_t j0 = 0; j0 < n; j0 += VALUE_BLOCK)  /* a block's rows, all outputs */
+            for (int64_t d = 0; d < hd; d += 32) {
                 int64_t j1 = j0 + VALUE_BLOCK < n ? j0 + VALUE_BLOCK : n;
                 for (int64_t g = 0; g < group; g += 3) {
                     int64_t left = group - g;
                     const float *eg = e + g * stride;
                     float *yg = y + g * hd + d;
-                    if (left >= 3) values_block(3, eg, stride, v + d, hd, j0, j1, yg);
-                    else if (left == 2) values_block(2, eg, stride, v + d, hd, j0, j1, yg);
-                    else values_block(1, eg, stride, v + d, hd, j0, j1, yg);
+                    /* the first pass over a block asks for the rows ahead, whole */
+                    int64_t ahead = d == 0 && g == 0 ? n : 0;
+                    if (left >= 3) values_block(3, eg, stride, v + d, hd, j0, j1, yg, ahead);
+                    else if (left == 2) values_block(2, eg, stride, v + d, hd, j0, j1, yg, ahead);
+                    else values_block(1, eg, stride, v + d, hd, j0, j1, yg, ahead);
                 }
             }
         return;
