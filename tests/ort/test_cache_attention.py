@@ -15,9 +15,10 @@ pytestmark = pytest.mark.skipif(not kernels.available(),
                                 reason="the kernel library is not built or this CPU lacks AVX2")
 
 # (query heads, KV heads, head size, softcap, sliding window): SmolLM2-135M's grouping (9 / 3 of
-# 64), one query head a KV head, head sizes off the 8- and 64-float paths, Gemma's softcap
+# 64), one query head a KV head, head sizes off the 8- and 32-float paths, Gemma's softcap, and
+# groups the kernel takes three queries at a time from with one or two left (4 and 5 of 32, 96)
 SHAPES = [(9, 3, 64, 0.0, 0), (4, 4, 12, 0.0, 0), (8, 2, 16, 30.0, 5), (2, 1, 8, 0.0, 3),
-          (4, 2, 128, 0.0, 0), (6, 3, 20, 0.0, 0)]
+          (4, 2, 128, 0.0, 0), (6, 3, 20, 0.0, 0), (8, 2, 32, 0.0, 0), (10, 2, 96, 0.0, 7)]
 
 
 def _session(heads: int, scale: float, softcap: float, window: int, path):
@@ -86,7 +87,7 @@ def test_the_op_is_attention_over_each_rows_own_slots(heads, kv, hd, softcap, wi
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("heads,kv,hd,softcap,window", SHAPES[:4])
+@pytest.mark.parametrize("heads,kv,hd,softcap,window", SHAPES[:4] + SHAPES[6:7])
 def test_a_row_is_bitwise_the_same_whatever_the_call_holds(heads, kv, hd, softcap, window,
                                                            tmp_path):
     """A token's output alone, among all of a call's tokens, in a call of another width S and
