@@ -72,8 +72,9 @@ STAGES = ("load", "build", "save", "validate", "checksums")
 # q/k norms attends with ortspec.RotaryCacheAttention, the rotary and cache writes inside it;
 # 12: on ortspec's kernels the gated MLP's gate and up product, SiLU and product are one
 # ortspec.Q4GemmSwiGlu node, and a gqa layer's RotaryCacheAttention takes and gives flat rows
-# (three Reshapes fewer a layer)
-EXPORTER_REVISION = 12
+# (three Reshapes fewer a layer); 13: on ortspec's kernels a skip norm before a 4-bit product is
+# part of its node (ortspec.Q4GemmNorm, Q4GemmSwiGluNorm)
+EXPORTER_REVISION = 13
 # the providers each graph flavour is built for (see runtime/providers.py): ORT's CUDA GQA
 # kernel is fp16/bf16 only and TensorRT does not import GQA; standard ONNX ops run anywhere
 GRAPH_PROVIDERS = {("gqa", "fp32"): "CPUExecutionProvider",

@@ -6,10 +6,12 @@ LM head). graphs.py drives it layer by layer; attention.py adds each layer's att
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 from collections.abc import Callable
 
 import numpy as np
-from onnx import TensorProto
+import onnx
+from onnx import TensorProto, helper
 
 from ortspec.runtime.ort import graph_io as gio
 
@@ -263,3 +265,39 @@ def _out_dims(spec: DecoderSpec, names: list[str]) -> list[int]:
             "v": spec.num_kv_heads * spec.head_dim, "o": spec.hidden_size,
             "gate": spec.intermediate_size, "up": spec.intermediate_size, "down": spec.hidden_size}
     return [dims[n.rsplit(".", 1)[1]] for n in names]
+
+
+# the ortspec products a preceding skip norm folds into (runtime/ort/_q4kernel.c)
+NORM_FUSABLE = {"Q4Gemm": "Q4GemmNorm", "Q4GemmSwiGlu": "Q4GemmSwiGluNorm"}
+
+
+def fuse_skip_norms(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """`nodes` with each SkipSimplifiedLayerNormalization whose normalized output only feeds an
+    ortspec Q4Gemm or Q4GemmSwiGlu (as its x) folded into that product: Q4GemmNorm(x, q, d, m,
+    skip, gamma) -> y, sum, which normalizes x + skip itself and gives the sum out under the
+    norm's name for it. The norm's node and its dispatch go (about 10% of a one-token step of
+    SmolLM2-135M at int4); the other nodes keep their order."""
+    users: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
+    for n in nodes:
+        for i, name in enumerate(n.input):
+            users[name].append((n, i))
+    place = {id(n): i for i, n in enumerate(nodes)}
+    fused: dict[int, onnx.NodeProto] = {}  # id(product node) -> its fused replacement
+    dropped: set[int] = set()
+    for n in nodes:
+        if n.op_type != "SkipSimplifiedLayerNormalization" or n.domain != MS \
+                or len(n.output) != 4 or any(users[o] for o in n.output[1:3] if o):
+            continue
+        (user, slot), *more = users[n.output[0]] or [(None, -1)]
+        if more or user is None or slot != 0 or user.domain != ORTSPEC_DOMAIN \
+                or user.op_type not in NORM_FUSABLE \
+                or any(place[id(c)] < place[id(user)] for c, _ in users[n.output[3]]):
+            continue  # (the sum is made where the product runs: no earlier node may read it)
+        attrs = {a.name: helper.get_attribute_value(a) for a in user.attribute}
+        eps = next(helper.get_attribute_value(a) for a in n.attribute if a.name == "epsilon")
+        fused[id(user)] = helper.make_node(
+            NORM_FUSABLE[user.op_type], [n.input[0], *user.input[1:4], n.input[1], n.input[2]],
+            [user.output[0], n.output[3]], name=user.name, domain=ORTSPEC_DOMAIN,
+            epsilon=float(eps), **attrs)
+        dropped.add(id(n))
+    return [fused.get(id(n), n) for n in nodes if id(n) not in dropped]

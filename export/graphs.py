@@ -45,7 +45,7 @@ from onnx import TensorProto, helper
 from ortspec.runtime.ort import graph_io as gio
 
 from .attention import FLAVOURS, attend_rows, pack_tokens, rotary_cache_layer, to_grid
-from .builder import GetWeight, GraphBuilder
+from .builder import GetWeight, GraphBuilder, fuse_skip_norms
 from .graph_spec import MS, NUMPY_DTYPES, ORTSPEC_DOMAIN, DecoderSpec, GraphOptions, check_opset
 from .hidden_states import hidden_states_output
 from .onnx_writer import ExternalDataWriter, NodeList
@@ -167,6 +167,8 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
                                  if flavour.packed else None)
         weight_bytes = writer.bytes_written
 
+    if options.quant is not None and options.quant.kernel == "ortspec":
+        b.g.nodes = fuse_skip_norms(b.g.nodes)
     model = _make_model(spec, options, b.g, b.inits)
     graph_path.write_bytes(model.SerializeToString())
     return GraphFiles(graph=graph_path, data=data_path, weight_bytes=weight_bytes,

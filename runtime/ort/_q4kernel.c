@@ -7,6 +7,11 @@
  *                             the gated MLP's first half: Q4Gemm of a weight whose N rows are
  *                             the gate's then the up projection's, and y [..., N / 2] =
  *                             silu(gate) * up, in one node.
+ *   Q4GemmNorm(x, q, d, m, skip, gamma) -> y, sum
+ *   Q4GemmSwiGluNorm(x, q, d, m, skip, gamma) -> y, sum
+ *                             Q4Gemm and Q4GemmSwiGlu of RMSNorm(x + skip) * gamma (attribute
+ *                             epsilon), sum = x + skip: onnxruntime's
+ *                             SkipSimplifiedLayerNormalization before the product, in the node.
  *   Q8Gemm(x, b, scales) -> y w as MatMulNBits stores 8-bit symmetric blocks of 32
  *                             (b uint8 [N, K / 32, 32] = q + 128, scales float [N * K / 32]): the
  *                             LM head, whose bytes a tied embedding's GatherBlockQuantized also
@@ -191,6 +196,8 @@ typedef struct {
     uint8_t *owned_q;  /* Q8: the regrouped weight and scales, freed with the kernel */
     float *owned_d;
     int swiglu;  /* Q4GemmSwiGlu: y = silu(first half of the product) * its second half */
+    int norm;    /* ...Norm: the product of RMSNorm(x + skip) * gamma, and x + skip out */
+    float eps;
 } Kernel;
 
 static int grown(float **buf, size_t *size, size_t need);
@@ -238,6 +245,67 @@ static int swiglu_product(const Weight *w, const float *x, int64_t rows, float *
 #endif
 }
 
+#ifdef ORTSPEC_X86
+/* sum [rows, k] = x + skip and h [rows, k] = sum * (1 / sqrt(mean(sum^2) + eps)) * gamma, k a
+ * multiple of 32: each row's squares summed in 32 lanes and then in a fixed order, so a row's
+ * result is the same whatever else the call holds */
+static AVX2 void norm_rows(const float *x, const float *skip, const float *gamma, int64_t rows,
+                           int64_t k, float eps, float *sum, float *h) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *a = x + r * k, *b = skip + r * k;
+        float *t = sum + r * k, *out = h + r * k;
+        __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+        for (int64_t j = 0; j < k; j += 32) {
+            __m256 t0 = _mm256_add_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j));
+            __m256 t1 = _mm256_add_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8));
+            __m256 t2 = _mm256_add_ps(_mm256_loadu_ps(a + j + 16), _mm256_loadu_ps(b + j + 16));
+            __m256 t3 = _mm256_add_ps(_mm256_loadu_ps(a + j + 24), _mm256_loadu_ps(b + j + 24));
+            _mm256_storeu_ps(t + j, t0);
+            _mm256_storeu_ps(t + j + 8, t1);
+            _mm256_storeu_ps(t + j + 16, t2);
+            _mm256_storeu_ps(t + j + 24, t3);
+            s0 = _mm256_fmadd_ps(t0, t0, s0);
+            s1 = _mm256_fmadd_ps(t1, t1, s1);
+            s2 = _mm256_fmadd_ps(t2, t2, s2);
+            s3 = _mm256_fmadd_ps(t3, t3, s3);
+        }
+        float total = sum256(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+        __m256 inv = _mm256_set1_ps(1.0f / sqrtf(total / (float)k + eps));
+        for (int64_t j = 0; j < k; j += 8)
+            _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(t + j), inv),
+                                                    _mm256_loadu_ps(gamma + j)));
+    }
+}
+#endif
+
+static __thread float *norm_scratch;  /* ...Norm: the normalized rows */
+static __thread size_t norm_scratch_size;
+
+/* ...Norm: x + skip into output 1 and the normalized rows into scratch, which the product then
+ * reads in x's place; NULL where an input does not fit x (no output: onnxruntime reports it) */
+static const float *normalized(const Kernel *kern, void *context, const float *x,
+                               const int64_t *dims, size_t rank, int64_t rows) {
+#ifdef ORTSPEC_X86
+    int64_t sd[8], gd[8];
+    size_t sr = 0, gr = 0;
+    const float *skip = input_of(context, 4, sd, &sr), *gamma = input_of(context, 5, gd, &gr);
+    void *sum_value;
+    if (!skip || !gamma || sr != rank || memcmp(sd, dims, sizeof(int64_t) * rank) || gr != 1 ||
+        gd[0] != kern->w.k ||
+        failed(FN(API_KernelContext_GetOutput, get_output_t)(context, 1, dims, rank, &sum_value)))
+        return NULL;
+    float *sum = data_of(sum_value);
+    if (!sum || !grown(&norm_scratch, &norm_scratch_size,
+                       sizeof(float) * (size_t)(rows * kern->w.k)))
+        return NULL;
+    norm_rows(x, skip, gamma, rows, kern->w.k, kern->eps, sum, norm_scratch);
+    return norm_scratch;
+#else
+    (void)kern; (void)context; (void)x; (void)dims; (void)rank; (void)rows;
+    return NULL;
+#endif
+}
+
 static void kernel_compute(void *state, void *context) {
     Kernel *kern = state;
     Weight w = kern->w;
@@ -249,10 +317,17 @@ static void kernel_compute(void *state, void *context) {
         w.m = data_input(context, 3);
         if (!w.q || !w.d || !w.m) return;
     }
-    float *x = input_of(context, 0, dims, &rank);  /* NULL for an empty x, whose shape is read */
+    const float *x = input_of(context, 0, dims, &rank);  /* NULL for an empty x */
     if (rank < 1 || dims[rank - 1] != w.k) return;  /* no output: onnxruntime reports the node */
     int64_t rows = 1;
     for (size_t i = 0; i + 1 < rank; i++) rows *= dims[i];
+    if (kern->norm) {
+        void *empty;  /* no rows: the sum is empty too */
+        if (rows == 0 ? failed(FN(API_KernelContext_GetOutput, get_output_t)(context, 1, dims,
+                                                                           rank, &empty))
+                      : !x || !(x = normalized(kern, context, x, dims, rank, rows)))
+            return;
+    }
     int64_t width = kern->swiglu ? w.n / 2 : w.n;
     dims[rank - 1] = width;
     void *y_value;
@@ -325,6 +400,25 @@ static void *create_q4_swiglu(const void *op, const void *unused, const void *in
     return kern;
 }
 
+/* ...Norm: the attribute epsilon */
+static Kernel *with_norm(Kernel *kern, const void *info) {
+    if (kern && failed(FN(API_KernelInfoGetAttribute_float, attr_float_t)(info, "epsilon",
+                                                                          &kern->eps))) {
+        destroy_kernel(kern);
+        return NULL;
+    }
+    if (kern) kern->norm = 1;
+    return kern;
+}
+
+static void *create_q4_norm(const void *op, const void *unused, const void *info) {
+    return with_norm(create_q4(op, unused, info), info);
+}
+
+static void *create_q4_swiglu_norm(const void *op, const void *unused, const void *info) {
+    return with_norm(create_q4_swiglu(op, unused, info), info);
+}
+
 static void *create_q8(const void *op, const void *unused, const void *info) {
     (void)op; (void)unused;
     return create_kernel(OP_Q8, info);
@@ -333,17 +427,31 @@ static void *create_q8(const void *op, const void *unused, const void *info) {
 static const char *q4_name(const void *op) { (void)op; return "Q4Gemm"; }
 static const char *q4_swiglu_name(const void *op) { (void)op; return "Q4GemmSwiGlu"; }
 static const char *q8_name(const void *op) { (void)op; return "Q8Gemm"; }
+static const char *q4_norm_name(const void *op) { (void)op; return "Q4GemmNorm"; }
+static const char *q4_swiglu_norm_name(const void *op) { (void)op; return "Q4GemmSwiGluNorm"; }
 static int q4_input_type(const void *op, size_t i) {
     (void)op;
     return i == 0 ? ELEM_FLOAT : i == 1 ? ELEM_UINT8 : ELEM_FLOAT16;
 }
 static size_t q4_inputs(const void *op) { (void)op; return 4; }
+static int q4_norm_input_type(const void *op, size_t i) {
+    return i < 4 ? q4_input_type(op, i) : ELEM_FLOAT;
+}
+static size_t q4_norm_inputs(const void *op) { (void)op; return 6; }
+static size_t two_outputs(const void *op) { (void)op; return 2; }
 static int q8_input_type(const void *op, size_t i) { (void)op; return i == 1 ? ELEM_UINT8 : ELEM_FLOAT; }
 static size_t q8_inputs(const void *op) { (void)op; return 3; }
 static CustomOp q4_op = CUSTOM_OP(create_q4, q4_name, q4_input_type, q4_inputs, kernel_compute,
                                   destroy_kernel);
 static CustomOp q4_swiglu_op = CUSTOM_OP(create_q4_swiglu, q4_swiglu_name, q4_input_type,
                                          q4_inputs, kernel_compute, destroy_kernel);
+#define NORM_OP(create, name)                                                                 \
+    {API_VERSION, create, name, cpu, q4_norm_input_type, q4_norm_inputs, output_type,           \
+     two_outputs, kernel_compute, destroy_kernel, required, required, default_memory, one, one, \
+     one, one, NULL, NULL, NULL, first_version, last_version, no_pairs, release_pairs,          \
+     no_pairs, release_pairs, {0}}
+static CustomOp q4_norm_op = NORM_OP(create_q4_norm, q4_norm_name);
+static CustomOp q4_swiglu_norm_op = NORM_OP(create_q4_swiglu_norm, q4_swiglu_norm_name);
 static CustomOp q8_op = CUSTOM_OP(create_q8, q8_name, q8_input_type, q8_inputs, kernel_compute,
                                   destroy_kernel);
 
@@ -625,6 +733,8 @@ OrtStatus *RegisterCustomOps(void *options, const OrtApiBase *base) {
     if ((status = FN(API_CreateCustomOpDomain, create_domain_t)("ortspec", &domain)) ||
         (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &q4_op)) ||
         (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &q4_swiglu_op)) ||
+        (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &q4_norm_op)) ||
+        (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &q4_swiglu_norm_op)) ||
         (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &q8_op)) ||
         (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &attention_op)) ||
         (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &rotary_op)))

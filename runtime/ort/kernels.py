@@ -1,6 +1,8 @@
 """ortspec's own onnxruntime kernels (runtime/ort/_q4kernel.c): the custom ops `ortspec.Q4Gemm`
 and `ortspec.Q8Gemm` (the int4 layers and the 8-bit head), `ortspec.Q4GemmSwiGlu` (a gated
-MLP's gate and up product with its SiLU gating, one node), `ortspec.CacheAttention` (the
+MLP's gate and up product with its SiLU gating, one node), `ortspec.Q4GemmNorm` and
+`ortspec.Q4GemmSwiGluNorm` (the same products with the skip RMSNorm before them inside the
+node), `ortspec.CacheAttention` (the
 attention over the KV cache, read in place) and `ortspec.RotaryCacheAttention` (the same with
 the rotary embedding and the cache writes inside).
 

@@ -119,10 +119,15 @@ def test_int4_export_records_its_weights_and_validates_rows_exactly(int4_dir):
         ("MatMulNBits", 4, 32, "block-min", 8)
     assert w["float_linear"] == []
     layers = 4 * m.architecture.num_layers
-    q4 = _op_count(int4_dir, "Q4Gemm") + _op_count(int4_dir, "Q4GemmSwiGlu")
-    # a layer's gate and up product with its SiLU gating: one node on ortspec's kernel
-    assert _op_count(int4_dir, "Q4GemmSwiGlu") == \
-        (m.architecture.num_layers if _kernel(int4_dir) == "ortspec" else 0)
+    q4 = sum(_op_count(int4_dir, op) for op in Q4_OPS)
+    # a layer's gate and up product with its SiLU gating (and the skip norm before it): one
+    # node on ortspec's kernel
+    ortspec = _kernel(int4_dir) == "ortspec"
+    assert _op_count(int4_dir, "Q4GemmSwiGluNorm") == (m.architecture.num_layers if ortspec else 0)
+    # every skip norm but the final one is part of the product after it
+    assert _op_count(int4_dir, "Q4GemmNorm") == (m.architecture.num_layers - 1 if ortspec else 0)
+    assert _op_count(int4_dir, "SkipSimplifiedLayerNormalization") == \
+        (1 if ortspec else 2 * m.architecture.num_layers)
     # + the 8-bit head (ortspec.Q8Gemm with the ortspec kernel)
     assert _op_count(int4_dir, "MatMulNBits") + q4 + _op_count(int4_dir, "Q8Gemm") == layers + 1
     # ortspec.Q4Gemm takes every block-min layer whose width is a multiple of its tile of 16
@@ -140,7 +145,7 @@ def test_int4_export_records_its_weights_and_validates_rows_exactly(int4_dir):
         made_by = {out: n.op_type for n in nodes for out in n.output}
         for n in nodes:
             if n.op_type == attends:
-                assert made_by[n.input[0]] == "Q4Gemm"
+                assert made_by[n.input[0]] in {"Q4Gemm", "Q4GemmNorm"}
                 assert {c.op_type for c in nodes if n.output[0] in c.input} == {"Q4Gemm"}
     assert not (int4_dir / "drafts").exists()  # no draft unless asked for
 
@@ -150,6 +155,10 @@ def test_a_layer_draft_of_an_int4_target_is_int4_too(sources, tmp_path):
                        progress=False, quant="int4", draft_layers=1)
     d = mf.read_manifest(out / "drafts" / "layers1-int4")
     assert d.extra["draft"]["quant"] == "int4" and d.min_call_rows == 1
+
+
+# ortspec's 4-bit products (runtime/ort/_q4kernel.c), with and without the skip norm before them
+Q4_OPS = ("Q4Gemm", "Q4GemmSwiGlu", "Q4GemmNorm", "Q4GemmSwiGluNorm")
 
 
 def _op_count(directory, op_type: str) -> int:
@@ -322,7 +331,7 @@ def test_head_and_scheme_choices_export_validated_and_exact(sources, tmp_path, l
     w = m.extra["weights"]
     assert w["scheme"] == scheme
     assert w["lm_head_bits"] == {"int8": 8, "int4": 4, "fp32": None}[lm_head]
-    assert sum(_op_count(out, op) for op in ("MatMulNBits", "Q4Gemm", "Q4GemmSwiGlu", "Q8Gemm")) == \
+    assert sum(_op_count(out, op) for op in ("MatMulNBits", "Q8Gemm", *Q4_OPS)) == \
         4 * m.architecture.num_layers + (lm_head != "fp32")
     assert (_op_count(out, "Q4Gemm") > 0) == (scheme == "block-min" and kernels.available())
     assert m.extra["validation"]["step_vs_verify"] == 0.0

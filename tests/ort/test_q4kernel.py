@@ -212,6 +212,70 @@ def test_onnxruntime_runs_the_swiglu_op_on_its_thread_pool(lib, rank, tmp_path):
     np.testing.assert_array_equal(y.reshape(-1, n // 2), _swiglu(lib, x, qw))
 
 
+def _norm_session(qw, gamma: np.ndarray, k: int, n: int, op: str, eps: float, path):
+    """Q4GemmNorm / Q4GemmSwiGluNorm(x, q, d, m, skip, gamma) -> y, sum in a session."""
+    node = helper.make_node(op, ["x", "q", "d", "m", "skip", "gamma"], ["y", "sum"],
+                            domain=kernels.DOMAIN, K=k, N=n, epsilon=eps)
+    width = n // 2 if op == "Q4GemmSwiGluNorm" else n
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["S", k])
+                      for name in ("x", "skip")],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["S", width]),
+         helper.make_tensor_value_info("sum", TensorProto.FLOAT, ["S", k])],
+        [numpy_helper.from_array(qw.packed, "q"), numpy_helper.from_array(qw.d, "d"),
+         numpy_helper.from_array(qw.m, "m"), numpy_helper.from_array(gamma, "gamma")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid(kernels.DOMAIN, 1)])
+    model.ir_version = 10
+    path.write_bytes(model.SerializeToString())
+    return open_session(str(path), session_options(threads=2), ["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("op", ["Q4GemmNorm", "Q4GemmSwiGluNorm"])
+def test_the_norm_ops_multiply_the_rms_normalized_sum(lib, op, tmp_path):
+    """sum = x + skip exactly, and y = the op's product of sum / sqrt(mean(sum^2) + eps) * gamma.
+    The sums are chosen so that every step of the norm is exact in float32 (each row's squares
+    average to a power of 4, eps 0, gamma of a few bits): then y must be the product (tested
+    above) of the normalized rows bit for bit. Each row is the lone row's, whatever the call
+    holds."""
+    rng = np.random.default_rng(7)
+    k, n, rows = 576, 2 * 256, 6
+    qw = quantize_q4gemm(_q4_1_weight(rng, n, k))
+    gamma = (rng.integers(-64, 65, k) / 16).astype(np.float32)
+    total = (rng.choice([-1.0, 1.0], (rows, k)) * 2.0 ** np.arange(-2, rows - 2)[:, None])
+    skip = (rng.integers(-40, 41, (rows, k)) / 8).astype(np.float32)
+    x = (total - skip).astype(np.float32)  # x + skip == total exactly
+    normalized = (total / np.sqrt((total ** 2).mean(1, keepdims=True)) * gamma).astype(np.float32)
+    session = _norm_session(qw, gamma, k, n, op, 0.0, tmp_path / "norm.onnx")
+    lib.ortspec_q4_force_isa(-1)
+    y, out = session.run(None, {"x": x, "skip": skip})
+    np.testing.assert_array_equal(out, x + skip)
+    product = _swiglu if op == "Q4GemmSwiGluNorm" else _gemm
+    np.testing.assert_array_equal(y, product(lib, normalized, qw))
+    for r in range(rows):
+        alone = session.run(None, {"x": x[r:r + 1], "skip": skip[r:r + 1]})
+        np.testing.assert_array_equal(alone[0][0], y[r])
+    # random rows, gamma and a large eps (so that dropping it would show): against the float64
+    # norm. The op's float32 norm is within 1e-6 of it (relative), which may move an activation
+    # across an int8 rounding boundary: each term is then off by at most its block's step
+    # (max|block| / 127) times |w|, the bound below
+    x, skip = _activations(rng, rows, k), _activations(rng, rows, k)
+    eps, gamma = 0.5, rng.uniform(0.5, 2.0, k).astype(np.float32)
+    session = _norm_session(qw, gamma, k, n, "Q4GemmNorm", eps, tmp_path / "norm2.onnx")
+    y, out = session.run(None, {"x": x, "skip": skip})
+    np.testing.assert_array_equal(out, x + skip)
+    t = (x + skip).astype(np.float64)
+    h = t / np.sqrt((t ** 2).mean(1, keepdims=True) + eps) * gamma  # [rows, k]
+    w = qw.dequantize().astype(np.float64)  # [n, k]
+    ref = _reference(h.astype(np.float32), qw.dequantize(), *(
+        a.astype(np.float32).transpose(0, 2, 1).reshape(n, k // 32) for a in (qw.m, qw.d)))
+    step = np.repeat(np.abs(h).reshape(rows, k // 32, 32).max(-1) / 127, 32, axis=1)
+    assert np.all(np.abs(y - ref) <= (1e-6 * np.abs(h) + step) @ np.abs(w).T + 1e-5 * np.abs(ref))
+    empty = session.run(None, {"x": np.zeros((0, k), np.float32),
+                               "skip": np.zeros((0, k), np.float32)})
+    assert empty[0].shape == (0, n) and empty[1].shape == (0, k)
+
+
 def test_without_the_library_an_export_falls_back_or_refuses(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "available", lambda: False)
     assert resolve_kernel(None, quant="int4", quant_scheme="block-min") == "onnxruntime"
