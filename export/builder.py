@@ -267,7 +267,7 @@ def _out_dims(spec: DecoderSpec, names: list[str]) -> list[int]:
     return [dims[n.rsplit(".", 1)[1]] for n in names]
 
 
-# the ortspec products a preceding skip norm folds into (runtime/ort/_q4kernel.c)
+# the ortspec products a preceding skip norm folds into (runtime/ort/product_ops.h)
 NORM_FUSABLE = {"Q4Gemm": "Q4GemmNorm", "Q4GemmSwiGlu": "Q4GemmSwiGluNorm"}
 
 

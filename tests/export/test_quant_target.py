@@ -157,7 +157,7 @@ def test_a_layer_draft_of_an_int4_target_is_int4_too(sources, tmp_path):
     assert d.extra["draft"]["quant"] == "int4" and d.min_call_rows == 1
 
 
-# ortspec's 4-bit products (runtime/ort/_q4kernel.c), with and without the skip norm before them
+# ortspec's 4-bit products (runtime/ort/product_ops.h), with and without the skip norm before them
 Q4_OPS = ("Q4Gemm", "Q4GemmSwiGlu", "Q4GemmNorm", "Q4GemmSwiGluNorm")
 
 
