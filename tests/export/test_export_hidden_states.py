@@ -6,6 +6,7 @@ the graph of before, node for node."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import numpy as np
 import onnx
@@ -15,12 +16,14 @@ from onnx import TensorProto
 from transformers import AutoModelForCausalLM
 
 from ortspec.export import ExportOptionError, export_model
+from ortspec.export import graphs
 from ortspec.export.hidden_states import eagle3_layers, parse_hidden_states
 from ortspec.export.tiny import make_tiny_llama
 from ortspec.runtime.check.tolerances import HIDDEN_STATE_TOLERANCES
 from ortspec.runtime.decoding.loop import plain_decode, speculative_decode
 from ortspec.runtime.decoding.options import SpeculativeOptions
 from ortspec.runtime.ort import graph_io as gio
+from ortspec.runtime.ort import kernels
 from ortspec.runtime.ort import manifest as mf
 from ortspec.runtime.ort.decoder import OrtDecoder
 
@@ -140,6 +143,53 @@ def test_greedy_prompt_lookup_is_plain_decoding_token_for_token(hs_dir):
     spec = speculative_decode(decoder, prompt, 24)
     assert spec.tokens == plain.tokens
     assert spec.counters.verify_calls < len(plain.tokens)  # it did speculate
+
+
+def _block_states(out) -> tuple[np.ndarray, np.ndarray]:
+    """The states of TOKENS from verify calls of VERIFY tokens and from steps: [n, 3 * hidden]."""
+    decoder = OrtDecoder(out)
+    verify = []
+    for i in range(0, len(TOKENS), VERIFY):
+        decoder.forward_batch(TOKENS[i:i + VERIFY])
+        verify.append(decoder.last_hidden_states())
+    decoder.reset()
+    step = []
+    for t in TOKENS:
+        decoder.forward_token(t)
+        step.append(decoder.last_hidden_states())
+    return np.concatenate(verify), np.concatenate(step)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="ortspec's kernel library is not built")
+@pytest.mark.parametrize("attention", ["gqa", "window"])
+def test_int4_states_come_from_the_products_that_hold_the_skip_norms(src, tmp_path, monkeypatch,
+                                                                     attention):
+    """On ortspec's kernels the skip norm before each 4-bit product is inside the product's node,
+    which gives out the residual sum the states are read from: the states are those of the same
+    export with the norms left as nodes, within float32 rounding, and a verify row is its step's
+    row bit for bit."""
+    options = dict(capacity=CAP, max_verify_len=VERIFY, attention=attention, progress=False,
+                   hidden_states="auto", quant="int4", kernel="ortspec")
+    fused = export_model(src, out=tmp_path / "fused", **options)
+    monkeypatch.setattr(graphs, "fuse_skip_norms", lambda nodes: nodes)
+    apart = export_model(src, out=tmp_path / "apart", **options)
+    for out, norm_nodes in ((fused, 1), (apart, 2 * LAYERS)):
+        m = mf.read_manifest(out)
+        model, _ = _io(out / m.entry_points["step"].graph)
+        ops = Counter(n.op_type for n in model.graph.node)
+        assert ops["SkipSimplifiedLayerNormalization"] == norm_nodes
+        assert ops["Q4GemmNorm"] + ops["Q4GemmSwiGluNorm"] == 2 * LAYERS - norm_nodes
+        report = m.extra["hidden_state_validation"]
+        assert report["step_vs_verify"] == 0.0
+    verify, step = _block_states(fused)
+    assert np.array_equal(verify, step)
+    apart_verify, _ = _block_states(apart)
+    top = float(np.abs(apart_verify).max())
+    assert top > 0.5
+    # the same sums in another rounding order (the norm's sum of squares): the fp32 bound of
+    # two entry points of one export, which differ in that way too
+    assert np.abs(verify - apart_verify).max() <= \
+        HIDDEN_STATE_TOLERANCES["fp32"].step_vs_verify.at(top)
 
 
 @pytest.mark.parametrize("options, match", [
