@@ -285,19 +285,20 @@ def fuse_skip_norms(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
     fused: dict[int, onnx.NodeProto] = {}  # id(product node) -> its fused replacement
     dropped: set[int] = set()
     for n in nodes:
+        eps = [helper.get_attribute_value(a) for a in n.attribute if a.name == "epsilon"]
         if n.op_type != "SkipSimplifiedLayerNormalization" or n.domain != MS \
-                or len(n.output) != 4 or any(users[o] for o in n.output[1:3] if o):
-            continue
+                or len(n.input) != 3 or len(n.output) != 4 or len(eps) != 1 \
+                or any(users[o] for o in n.output[1:3] if o):
+            continue  # (a bias input, or no epsilon given: the node stays)
         (user, slot), *more = users[n.output[0]] or [(None, -1)]
         if more or user is None or slot != 0 or user.domain != ORTSPEC_DOMAIN \
                 or user.op_type not in NORM_FUSABLE \
                 or any(place[id(c)] < place[id(user)] for c, _ in users[n.output[3]]):
             continue  # (the sum is made where the product runs: no earlier node may read it)
         attrs = {a.name: helper.get_attribute_value(a) for a in user.attribute}
-        eps = next(helper.get_attribute_value(a) for a in n.attribute if a.name == "epsilon")
         fused[id(user)] = helper.make_node(
             NORM_FUSABLE[user.op_type], [n.input[0], *user.input[1:4], n.input[1], n.input[2]],
             [user.output[0], n.output[3]], name=user.name, domain=ORTSPEC_DOMAIN,
-            epsilon=float(eps), **attrs)
+            epsilon=float(eps[0]), **attrs)
         dropped.add(id(n))
     return [fused.get(id(n), n) for n in nodes if id(n) not in dropped]
