@@ -177,13 +177,16 @@ static AVX2 void attend(const float *q, int64_t group, const float *k, const flo
     int64_t n = hi - lo + 1, padded = (n + 7) & ~(int64_t)7;
     scores(q, group, k + lo * hd, hd, n, scale, e, padded);
     for (int64_t g = 0; g < group; g++) {
-        float *eg = e + g * padded, top = -INFINITY;
-        for (int64_t j = 0; j < n; j++) {
-            if (softcap > 0) eg[j] = softcap * tanhf(eg[j] / softcap);
-            top = eg[j] > top ? eg[j] : top;
-        }
-        __m256 mx = _mm256_set1_ps(top), total = _mm256_setzero_ps();
+        float *eg = e + g * padded;
+        if (softcap > 0)
+            for (int64_t j = 0; j < n; j++) eg[j] = softcap * tanhf(eg[j] / softcap);
         for (int64_t j = n; j < padded; j++) eg[j] = -INFINITY;  /* exp -> 0 */
+        __m256 top = _mm256_loadu_ps(eg);  /* the largest score: a maximum is exact in any order */
+        for (int64_t j = 8; j < padded; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(eg + j));
+        __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+        t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
+        t4 = _mm_max_ss(t4, _mm_movehdup_ps(t4));
+        __m256 mx = _mm256_set1_ps(_mm_cvtss_f32(t4)), total = _mm256_setzero_ps();
         for (int64_t j = 0; j < padded; j += 8) {
             __m256 x = exp256(_mm256_sub_ps(_mm256_loadu_ps(eg + j), mx));
             _mm256_storeu_ps(eg + j, x);
