@@ -293,8 +293,9 @@ def fuse_skip_norms(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
         (user, slot), *more = users[n.output[0]] or [(None, -1)]
         if more or user is None or slot != 0 or user.domain != ORTSPEC_DOMAIN \
                 or user.op_type not in NORM_FUSABLE \
-                or any(place[id(c)] < place[id(user)] for c, _ in users[n.output[3]]):
-            continue  # (the sum is made where the product runs: no earlier node may read it)
+                or any(place[id(c)] <= place[id(user)] for c, _ in users[n.output[3]]):
+            continue  # (the sum is made where the product runs: neither it nor an earlier node
+            # may read it)
         attrs = {a.name: helper.get_attribute_value(a) for a in user.attribute}
         fused[id(user)] = helper.make_node(
             NORM_FUSABLE[user.op_type], [n.input[0], *user.input[1:4], n.input[1], n.input[2]],

@@ -25,6 +25,10 @@ from .graph_spec import MS, ORTSPEC_DOMAIN
 PROBE_FILE = "row_probe.onnx"
 PROBE_N = 64  # output columns of each probe node
 FLOAT_OPS = ("MatMul", "Gemm")
+# ortspec's row-wise ops (runtime/ort/product_ops.h): each 4-bit one reads (x, q, d, m), the
+# ...Norm ones a skip and a norm weight too
+Q4_OPS = ("Q4Gemm", "Q4GemmSwiGlu", "Q4GemmNorm", "Q4GemmSwiGluNorm")
+ORTSPEC_OPS = (*Q4_OPS, "Q8Gemm")
 
 
 def _attrs(node: onnx.NodeProto) -> dict:
@@ -33,7 +37,7 @@ def _attrs(node: onnx.NodeProto) -> dict:
 
 def _kernel_configs(graph: onnx.GraphProto) -> list[tuple]:
     """The distinct row-wise kernel configurations: ("nbits", K, bits, block, level, zero
-    points), ("Q4Gemm", K), ("Q8Gemm", K) (ortspec's ops) and ("float", op, K)."""
+    points), (op, K) for ortspec's ops (ORTSPEC_OPS) and ("float", op, K)."""
     dims = {t.name: list(t.dims) for t in graph.initializer}
     seen: list[tuple] = []
     for n in graph.node:
@@ -41,7 +45,7 @@ def _kernel_configs(graph: onnx.GraphProto) -> list[tuple]:
             a = _attrs(n)
             key = ("nbits", a["K"], a["bits"], a["block_size"], a.get("accuracy_level", 0),
                    len(n.input) > 3 and bool(n.input[3]))
-        elif n.op_type in ("Q4Gemm", "Q8Gemm") and n.domain == ORTSPEC_DOMAIN:
+        elif n.op_type in ORTSPEC_OPS and n.domain == ORTSPEC_DOMAIN:
             key = (n.op_type, _attrs(n)["K"])
         elif n.op_type in FLOAT_OPS and n.input[1] in dims and len(dims[n.input[1]]) == 2:
             k = dims[n.input[1]][1] if _attrs(n).get("transB") else dims[n.input[1]][0]
@@ -62,6 +66,7 @@ def write_row_probe(graph_path: Path, probe_path: Path, *, seed: int = 0) -> boo
         return False
     rng = np.random.default_rng(seed)
     nodes, inits, widths = [], [], []
+    widths_out = [PROBE_N] * len(configs)  # each output's columns
     for i, key in enumerate(configs):
         k = key[-1] if key[0] == "float" else key[1]
         x = f"x{k}"
@@ -88,7 +93,7 @@ def write_row_probe(graph_path: Path, probe_path: Path, *, seed: int = 0) -> boo
             nodes.append(helper.make_node("Q8Gemm", [x, f"q{i}", f"s{i}"], [f"y{i}"],
                                           domain=ORTSPEC_DOMAIN, K=k, N=PROBE_N))
             continue
-        if key[0] == "Q4Gemm":
+        if key[0] in Q4_OPS:
             blocks = k // 32
             inits += [numpy_helper.from_array(rng.integers(0, 256, (PROBE_N // 16, blocks, 4, 64),
                                                            dtype=np.uint8), f"q{i}"),
@@ -96,8 +101,16 @@ def write_row_probe(graph_path: Path, probe_path: Path, *, seed: int = 0) -> boo
                                                + 1e-3).astype(np.float16), f"d{i}"),
                       numpy_helper.from_array((rng.random((PROBE_N // 16, blocks, 16)) - 0.5)
                                               .astype(np.float16) * 0.1, f"m{i}")]
-            nodes.append(helper.make_node("Q4Gemm", [x, f"q{i}", f"d{i}", f"m{i}"], [f"y{i}"],
-                                          domain=ORTSPEC_DOMAIN, K=k, N=PROBE_N))
+            inputs, outputs, extra = [x, f"q{i}", f"d{i}", f"m{i}"], [f"y{i}"], {}
+            if key[0].endswith("Norm"):  # x itself as the skip; the sum is left unread
+                inits.append(numpy_helper.from_array(
+                    (rng.random(k) + 0.5).astype(np.float32), f"g{i}"))
+                inputs += [x, f"g{i}"]
+                outputs.append(f"sum{i}")
+                extra = {"epsilon": 1e-5}
+            nodes.append(helper.make_node(key[0], inputs, outputs, domain=ORTSPEC_DOMAIN, K=k,
+                                          N=PROBE_N, **extra))
+            widths_out[i] = PROBE_N // 2 if "SwiGlu" in key[0] else PROBE_N
             continue
         _, k, bits, block, level, zero_points = key
         blocks = k // block
@@ -118,12 +131,12 @@ def write_row_probe(graph_path: Path, probe_path: Path, *, seed: int = 0) -> boo
         helper.make_graph(
             nodes, "row_probe",
             [helper.make_tensor_value_info(f"x{k}", TensorProto.FLOAT, ["M", k]) for k in widths],
-            [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, ["M", PROBE_N])
+            [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, ["M", widths_out[i]])
              for i in range(len(configs))],
             inits),
         opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)]
         + ([helper.make_opsetid(ORTSPEC_DOMAIN, 1)]
-           if any(c[0] in ("Q4Gemm", "Q8Gemm") for c in configs) else []))
+           if any(c[0] in ORTSPEC_OPS for c in configs) else []))
     model.ir_version = 10
     probe_path.write_bytes(model.SerializeToString())
     return True

@@ -59,6 +59,7 @@ static void attention_task(void *data, size_t i) {
 
 static void attention_compute(void *state, void *context) {
     const Attention *op = state;
+    if (!op) return;  /* a node its create refused: no output */
     int64_t qd[8], kd[8], vd[8], pd[8], rd[8];
     size_t qr = 0, kr = 0, vr = 0, pr = 0, rr = 0;
     const float *q = input_of(context, 0, qd, &qr), *k = input_of(context, 1, kd, &kr);
@@ -172,6 +173,7 @@ static void rotary_task(void *data, size_t i) {
 
 static void rotary_compute(void *state, void *context) {
     const RotaryAttention *op = state;
+    if (!op) return;  /* a node its create refused: no output */
     int64_t xd[8], kd[8], vd[8], pd[8], rd[8], cd[8], sd[8];
     size_t xr = 0, kr = 0, vr = 0, pr = 0, rr = 0, cr = 0, sr = 0;
     const float *qkv = input_of(context, 0, xd, &xr), *k = input_of(context, 1, kd, &kr);
@@ -248,8 +250,5 @@ static int rotary_input_type(const void *op, size_t i) {
 }
 static size_t rotary_inputs(const void *op) { (void)op; return 7; }
 static size_t three_outputs(const void *op) { (void)op; return 3; }
-static CustomOp rotary_op = {API_VERSION, create_rotary, rotary_name, cpu, rotary_input_type,
-                             rotary_inputs, output_type, three_outputs, rotary_compute, free,
-                             required, required, default_memory, one, one, one, one, NULL, NULL,
-                             NULL, first_version, last_version, no_pairs, release_pairs,
-                             no_pairs, release_pairs, {0}};
+static CustomOp rotary_op = CUSTOM_OP_N(create_rotary, rotary_name, rotary_input_type,
+                                        rotary_inputs, three_outputs, rotary_compute, free);

@@ -5,6 +5,7 @@
  * onnxruntime_c_api.h (GetBuildInfoString, slot 254, is checked against the library's answer in
  * the tests). OrtCustomOp is laid out member for member as the C API declares it. */
 #include <stddef.h>
+#include <stdio.h>
 #include <stdint.h>
 
 typedef void OrtStatus;
@@ -84,8 +85,9 @@ static void *input_of(void *context, size_t i, int64_t *dims, size_t *rank) {
     return data_of(value);
 }
 
-/* OrtCustomOp: every member onnxruntime may read, in the C API's order. The V2 kernel entry
- * points and shape inference are NULL, so the V1 ones run and outputs are sized at run time. */
+/* OrtCustomOp: every member onnxruntime may read, in the C API's order. Kernels are made
+ * through CreateKernelV2 (create_checked: an error rather than a NULL kernel) and run through
+ * the V1 KernelCompute; shape inference is NULL, so outputs are sized at run time. */
 typedef struct {
     uint32_t version;
     void *(*CreateKernel)(const void *, const void *, const void *);
@@ -104,7 +106,7 @@ typedef struct {
     int (*GetVariadicInputHomogeneity)(const void *);
     int (*GetVariadicOutputMinArity)(const void *);
     int (*GetVariadicOutputHomogeneity)(const void *);
-    void *CreateKernelV2;
+    OrtStatus *(*CreateKernelV2)(const void *, const void *, const void *, void **);
     void *KernelComputeV2;
     void *InferOutputShapeFn;
     int (*GetStartVersion)(const void *);
@@ -130,9 +132,27 @@ static int last_version(const void *op) { (void)op; return 0x7fffffff; }
 static size_t no_pairs(int **a, int **b) { *a = NULL; *b = NULL; return 0; }
 static void release_pairs(int *a, int *b) { (void)a; (void)b; }
 
-/* an op of one float output, run on the CPU, every input required */
-#define CUSTOM_OP(create, name, input_type, inputs, compute, destroy)                      \
-    {API_VERSION, create, name, cpu, input_type, inputs, output_type, one_output,          \
+/* CreateKernelV2 of every op: the op's own create, and where that refused the node, an error
+ * naming the op (onnxruntime would run a NULL kernel) */
+static OrtStatus *create_checked(const void *op, const void *table, const void *info,
+                                 void **kernel) {
+    const CustomOp *custom = op;
+    *kernel = custom->CreateKernel(op, table, info);
+    if (*kernel) return NULL;
+    char message[320];
+    snprintf(message, sizeof message,
+             "ortspec.%s: the node's attributes are missing or out of range, or memory ran out "
+             "(the products need K and N, with N a multiple of 16 and K of 32, and the ...Norm "
+             "ones epsilon; the attentions num_heads > 0 and scale, and RotaryCacheAttention an "
+             "even rotary_dim > 0)", custom->GetName(op));
+    return FN(API_CreateStatus, create_status_t)(2, message);  /* ORT_INVALID_ARGUMENT */
+}
+
+/* an op of `outputs` float outputs, run on the CPU, every input required */
+#define CUSTOM_OP_N(create, name, input_type, inputs, outputs, compute, destroy)          \
+    {API_VERSION, create, name, cpu, input_type, inputs, output_type, outputs,             \
      compute, destroy, required, required, default_memory, one, one, one, one,            \
-     NULL, NULL, NULL, first_version, last_version, no_pairs, release_pairs, no_pairs,     \
-     release_pairs, {0}}
+     create_checked, NULL, NULL, first_version, last_version, no_pairs, release_pairs,    \
+     no_pairs, release_pairs, {0}}
+#define CUSTOM_OP(create, name, input_type, inputs, compute, destroy) \
+    CUSTOM_OP_N(create, name, input_type, inputs, one_output, compute, destroy)

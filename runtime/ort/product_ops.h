@@ -237,6 +237,7 @@ static const float *normalized(const Kernel *kern, void *context, const float *x
 
 static void kernel_compute(void *state, void *context) {
     Kernel *kern = state;
+    if (!kern) return;  /* a node its create refused (an attribute missing): no output */
     Weight w = kern->w;
     size_t rank = 0;
     int64_t dims[8];
@@ -374,12 +375,11 @@ static CustomOp q4_op = CUSTOM_OP(create_q4, q4_name, q4_input_type, q4_inputs, 
                                   destroy_kernel);
 static CustomOp q4_swiglu_op = CUSTOM_OP(create_q4_swiglu, q4_swiglu_name, q4_input_type,
                                          q4_inputs, kernel_compute, destroy_kernel);
-#define NORM_OP(create, name)                                                                 \
-    {API_VERSION, create, name, cpu, q4_norm_input_type, q4_norm_inputs, output_type,           \
-     two_outputs, kernel_compute, destroy_kernel, required, required, default_memory, one, one, \
-     one, one, NULL, NULL, NULL, first_version, last_version, no_pairs, release_pairs,          \
-     no_pairs, release_pairs, {0}}
-static CustomOp q4_norm_op = NORM_OP(create_q4_norm, q4_norm_name);
-static CustomOp q4_swiglu_norm_op = NORM_OP(create_q4_swiglu_norm, q4_swiglu_norm_name);
+static CustomOp q4_norm_op = CUSTOM_OP_N(create_q4_norm, q4_norm_name, q4_norm_input_type,
+                                          q4_norm_inputs, two_outputs, kernel_compute,
+                                          destroy_kernel);
+static CustomOp q4_swiglu_norm_op = CUSTOM_OP_N(create_q4_swiglu_norm, q4_swiglu_norm_name,
+                                                 q4_norm_input_type, q4_norm_inputs,
+                                                 two_outputs, kernel_compute, destroy_kernel);
 static CustomOp q8_op = CUSTOM_OP(create_q8, q8_name, q8_input_type, q8_inputs, kernel_compute,
                                   destroy_kernel);

@@ -50,13 +50,16 @@ def test_a_norm_before_a_product_becomes_part_of_it(op, fused_op):
     [_norm(), helper.make_node("MatMul", ["h", "w"], ["y"]), _after()],
     # a node before the product reads the sum, which the product would only make later
     [_norm(), helper.make_node("Relu", ["total"], ["r"]), _product(), _after()],
+    # the product reads the sum too, which it would then make itself
+    [_norm(), helper.make_node("Q4Gemm", ["h", "q", "total", "m"], ["y"], domain=ORTSPEC_DOMAIN),
+     _after()],
     # the mean or the inverse deviation is read
     [_norm(), _product(), _after(reads="inv_std")],
     # a bias input, which the fused op does not take
     [_norm(inputs=("attn", "residual", "gamma", "bias")), _product(), _after()],
     # no epsilon to carry over
     [_norm(eps=None), _product(), _after()],
-], ids=["two-readers", "not-x", "not-ortspec", "sum-read-before", "stats-read", "bias",
-        "no-epsilon"])
+], ids=["two-readers", "not-x", "not-ortspec", "sum-read-before", "sum-read-by-product",
+        "stats-read", "bias", "no-epsilon"])
 def test_a_norm_stays_a_node_where_the_product_cannot_stand_for_it(nodes):
     assert [n.op_type for n in fuse_skip_norms(nodes)] == [n.op_type for n in nodes]

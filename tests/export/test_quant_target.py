@@ -18,6 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ortspec.export import ExportOptionError, export_model
 from ortspec.export import cli as export_cli
 from ortspec.export.quantize import quantize_blockwise
+from ortspec.export.row_probe import ORTSPEC_OPS
 from ortspec.runtime import (SpeculativeOptions, load_model, plain_decode,
                              speculative_decode_with)
 from ortspec.runtime.ort import kernels, manifest as mf, sessions
@@ -222,9 +223,14 @@ def test_the_row_probe_decides_whether_calls_run_two_rows(int4_dir, tmp_path, mo
     kinds = {(n.op_type, dict((a.name, a.i) for a in n.attribute).get("bits")) for n in probe.node}
     layer_kinds = {("MatMulNBits", 4), ("MatMul", None), ("Gemm", None)}  # of MatMulNBits layers
     ortspec = _kernel(int4_dir) == "ortspec"
-    if ortspec:  # ortspec's ops, and MatMulNBits only for a layer too narrow for a tile
-        assert {("Q4Gemm", None), ("Q8Gemm", None)} <= kinds <= \
-            {("Q4Gemm", None), ("Q8Gemm", None)} | layer_kinds
+    if ortspec:  # every ortspec op kind of the graph (the products with their skip norm and
+        # SwiGLU included), and MatMulNBits only for a layer too narrow for a tile
+        graph = onnx.load(str(int4_dir / m.entry_points["step"].graph),
+                          load_external_data=False).graph
+        ops = {(n.op_type, None) for n in graph.node if n.op_type in ORTSPEC_OPS}
+        assert {("Q4Gemm", None), ("Q4GemmNorm", None), ("Q4GemmSwiGluNorm", None),
+                ("Q8Gemm", None)} <= ops
+        assert ops <= kinds <= ops | layer_kinds
     else:
         assert kinds == {("MatMulNBits", 8)} | layer_kinds
     exact = lone_rows_exact(_probe_session(int4_dir / m.row_probe))
