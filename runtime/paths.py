@@ -47,3 +47,19 @@ def default_model_path(*, batched: bool = False, precision: str = DEFAULT_PRECIS
                                  f"{precision!r}", option="precision")
     name = MODEL_NAMES[precision]
     return models_dir() / "exported" / (name + "-window" if batched else name)
+
+
+def export_command(directory: str | os.PathLike) -> str | None:
+    """The `ortspec export` command that makes `directory` where it is one of the default model's
+    exports under `models_dir()` (named in the error for a missing one), else None."""
+    d = Path(directory)
+    if d.parent != models_dir() / "exported":
+        return None
+    for precision, name in MODEL_NAMES.items():
+        flags = [] if precision == DEFAULT_PRECISION else [f"--dtype {precision}"]
+        if d.name == name + "-window":
+            flags.append("--attention window")
+        elif d.name != name:
+            continue
+        return " ".join(["ortspec export", *flags])
+    return None

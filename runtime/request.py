@@ -90,6 +90,16 @@ def drafter_spec(drafter: object) -> DrafterSpec | None:
     return drafter if isinstance(drafter, DrafterSpec) else None
 
 
+def check_draft_head(name: str, *, has_draft_head: bool, path: str) -> None:
+    """InvalidOptionError where drafter `name` drafts with a trained draft head (eagle3) and the
+    model at `path` lists none; the command-line tools call it before loading anything."""
+    if name in NEEDS_DRAFT_HEAD and not has_draft_head:
+        raise InvalidOptionError(
+            f"drafter {name!r} needs a trained draft head and {path} lists none: "
+            f"export the model with `ortspec export SOURCE --draft-head HEAD_DIR`, or choose "
+            f"another drafter (auto picks one the model has)")
+
+
 def check_drafter_spec(spec: DrafterSpec, facts: ModelFacts | None = None) -> None:
     """InvalidOptionError unless `spec` names a drafter with valid options that the model of
     `facts` (if given) can make: a draft-model drafter needs a draft, and its `draft_context`
@@ -97,11 +107,8 @@ def check_drafter_spec(spec: DrafterSpec, facts: ModelFacts | None = None) -> No
     if spec.name not in DRAFTER_NAMES:
         raise InvalidOptionError(f"unknown drafter {spec.name!r}; choose one of {', '.join(DRAFTER_NAMES)}")
     check_lookup_sizes(spec.ngram_size, 1, spec.max_draft_len)
-    if spec.name in NEEDS_DRAFT_HEAD and facts is not None:
-        if not facts.has_draft_head:
-            raise InvalidOptionError(
-                f"drafter {spec.name!r} needs a trained draft head and {facts.path} lists none: "
-                f"export the model with `ortspec export SOURCE --draft-head HEAD_DIR`")
+    if facts is not None:
+        check_draft_head(spec.name, has_draft_head=facts.has_draft_head, path=facts.path)
     if spec.name not in NEEDS_DRAFT_MODEL:
         return
     if facts is None:

@@ -37,6 +37,17 @@ def model_arg(value: str | None, *, prefer_batched: bool = False) -> Path:
     return path
 
 
+def check_drafter_arg(drafter: str, model_dir: Path) -> None:
+    """--drafter against the model's manifest, before anything is loaded: a drafter that needs a
+    trained draft head the model lacks is an InvalidOptionError (a missing draft model is
+    `load_model`'s to refuse)."""
+    from ..ort.manifest import read_manifest
+    from ..request import check_draft_head
+
+    check_draft_head(drafter, has_draft_head=read_manifest(model_dir).draft_head is not None,
+                     path=str(model_dir))
+
+
 def providers_arg(value: str | None) -> list[str] | None:
     """--providers "A,B" as ["A", "B"]; None (the default order) when not given."""
     return [p.strip() for p in value.split(",") if p.strip()] if value else None

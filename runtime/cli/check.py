@@ -62,7 +62,7 @@ def _run(args: argparse.Namespace) -> int:
     path = model_arg(args.model)
     model = load_model(path, providers=providers_arg(args.providers), threads=args.threads)
     m = model.manifest
-    print(f"ortspec check: {path} ({m.dtype}, capacity {m.capacity}, verify up to "
+    print(f"ortspec check: {path} ({m.precision}, capacity {m.capacity}, verify up to "
           f"{m.max_verify_len}) on {', '.join(model.providers)}", flush=True)
     rows = run_checks(model, draws=args.draws, seed=args.seed, new_tokens=args.new_tokens,
                       alpha=args.alpha)

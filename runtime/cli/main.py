@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .args import UserErrorParser, add_model_options, model_arg, providers_arg
+from .args import UserErrorParser, add_model_options, check_drafter_arg, model_arg, providers_arg
 from ..drafters import DRAFTER_NAMES, NEEDS_DRAFT_MODEL
 from ..errors import InvalidOptionError, InvalidPromptError, OrtspecError
 from ..validation import check_int
@@ -96,7 +96,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt, request = _check_generate_args(args)
     needs_draft = args.drafter in NEEDS_DRAFT_MODEL
     cost_model = args.drafter != "none" and request.draft_length == "auto"
-    model = load_model(model_arg(args.model), providers=request.providers, threads=args.threads,
+    path = model_arg(args.model)
+    check_drafter_arg(args.drafter, path)
+    model = load_model(path, providers=request.providers, threads=args.threads,
                        draft=(args.draft or True) if needs_draft else None)
     if cost_model or args.recalibrate:  # the cost model, made before the request
         model.prepare(refresh=args.recalibrate)
@@ -112,10 +114,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tps = r.num_tokens / c.total_seconds if c.total_seconds > 0 else 0.0
     inside = c.ort_seconds + c.draft_seconds  # the target's runs, and the drafter's (a draft model's)
     outside = 1 - inside / c.total_seconds if c.total_seconds > 0 else 0.0
+    accepted = f"acceptance {c.acceptance_rate:.1%} ({c.accepted}/{c.drafted})" if c.drafted \
+        else "nothing drafted"
     print(
         f"[{r.num_tokens} tokens, {tps:.1f} tok/s, finish={r.finish_reason}, "
-        f"{c.mean_tokens_per_call:.2f} tokens/call, acceptance {c.acceptance_rate:.1%} "
-        f"({c.accepted}/{c.drafted}), {c.target_calls} target calls, "
+        f"{c.mean_tokens_per_call:.2f} tokens/call, {accepted}, {c.target_calls} target calls, "
         f"{outside:.1%} of wall time outside the target's ORT runs and the drafter]",
         file=sys.stderr,
     )
@@ -144,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="always draft --max-draft-len tokens (no cost model)")
     g.add_argument("--recalibrate", action="store_true",
                    help="measure the cost model's cost curve again (a few seconds) and update its cache")
-    g.set_defaults(func=cmd_generate)
+    g.set_defaults(func=cmd_generate, parser=g)
 
     b = sub.add_parser("bench", help="latency benchmark on Spec-Bench (run `ortspec bench -h`)", add_help=False)
     c = sub.add_parser("check", help="check an export and provider for losslessness", add_help=False)
@@ -190,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
             from .check import main as check_main
 
             return check_main(argv[1:])
-        args = build_parser().parse_args(argv)
+        args, extra = build_parser().parse_known_args(argv)
+        if extra:  # named by the subcommand's own parser: `ortspec generate -h`
+            args.parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return args.func(args)
     except OrtspecError as e:
         print(f"ortspec: error: {e}", file=sys.stderr)

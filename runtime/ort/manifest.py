@@ -49,6 +49,7 @@ from pathlib import Path, PureWindowsPath
 from typing import Any
 
 from ..errors import ManifestError
+from ..paths import export_command
 from .onnx_guard import check_graph
 from ..validation import is_int
 
@@ -165,6 +166,18 @@ class Manifest:
     def hidden_state_width(self) -> int:
         """Columns of the `hidden_states` output (0 without it)."""
         return len(self.hidden_state_layers or ()) * self.architecture.hidden_size
+
+    @property
+    def precision(self) -> str:
+        """The weights' precision in words: `dtype` (the activations' and the KV cache's) where
+        the weights are float, else e.g. "int4 weights (8-bit head), fp32 activations"."""
+        weights = self.extra.get("weights")
+        if not isinstance(weights, dict) or not isinstance(weights.get("bits"), int):
+            return self.dtype
+        head = weights.get("lm_head_bits")  # None: a float head
+        head = " (float head)" if head is None else "" if head == weights["bits"] else \
+            f" ({head}-bit head)"
+        return f"int{weights['bits']} weights{head}, {self.dtype} activations"
 
     @property
     def reserved_slots(self) -> int:
@@ -400,7 +413,10 @@ def read_manifest(directory: str | os.PathLike, *, verify_checksums: bool = True
     directory and (by default) match their recorded sha256."""
     d = Path(directory)
     if not d.is_dir():
-        raise ManifestError(f"model directory {str(d)!r} does not exist or is not a directory")
+        command = export_command(d)
+        hint = f"; the default model's export: make it with `{command}`" if command else ""
+        raise ManifestError(f"model directory {str(d)!r} does not exist or is not a "
+                            f"directory{hint}")
     path = d / MANIFEST_FILE
     if not path.is_file():
         raise ManifestError(f"{str(d)!r} has no {MANIFEST_FILE}; is it an `ortspec export` output?")

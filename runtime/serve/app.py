@@ -73,6 +73,7 @@ def create_app(model: Model, *, model_name: str, drafter: str = "auto",
         drafter = model.default_drafter
     engine = Engine(model, drafter=drafter, max_concurrent=max_concurrent, max_queue=max_queue)
     info = ModelInfo.of(model, name=model_name)
+    served_since = int(time.time())  # /v1/models' `created`: when this server took the model
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -109,7 +110,8 @@ def create_app(model: Model, *, model_name: str, drafter: str = "auto",
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+        return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                            "created": served_since,
                                             "owned_by": "ortspec",
                                             "max_model_len": info.capacity}]}
 

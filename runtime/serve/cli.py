@@ -21,7 +21,8 @@ import signal
 
 import uvicorn
 
-from ..cli.args import UserErrorParser, add_model_options, model_arg, providers_arg
+from ..cli.args import UserErrorParser, add_model_options, check_drafter_arg, model_arg, \
+    providers_arg
 from ..drafters import DRAFTER_NAMES, NEEDS_DRAFT_MODEL
 from ..errors import InvalidOptionError, OrtspecError
 from ..paths import DEFAULT_MODEL_NAME, default_model_path
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _check(args)
     path = model_arg(args.model, prefer_batched=True)
+    check_drafter_arg(args.drafter, path)
     if args.max_concurrent is None:
         args.max_concurrent = default_max_concurrent(path)
     needs_draft = args.drafter in NEEDS_DRAFT_MODEL

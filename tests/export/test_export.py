@@ -165,6 +165,7 @@ def test_manifest_round_trip(llama_dir):
     again = mf.parse_manifest(json.loads(m.to_json()))
     assert again == m
     assert set(m.files) == {"model.onnx", "model.onnx.data", "tokenizer.json"}
+    assert m.precision == m.dtype == "fp32"  # float weights: the dtype says it all
     assert m.source["kind"] == "hf" and len(m.source["sha256"]) == 64
     v = m.extra["validation"]
     assert v["step_vs_verify"] <= 1e-4 and v["verify_vs_pytorch"] <= 1e-3

@@ -119,6 +119,7 @@ def test_int4_export_records_its_weights_and_validates_rows_exactly(int4_dir):
     assert (w["format"], w["bits"], w["block_size"], w["scheme"], w["lm_head_bits"]) == \
         ("MatMulNBits", 4, 32, "block-min", 8)
     assert w["float_linear"] == []
+    assert m.precision == "int4 weights (8-bit head), fp32 activations"  # as `ortspec check` says
     layers = 4 * m.architecture.num_layers
     q4 = sum(_op_count(int4_dir, op) for op in Q4_OPS)
     # a layer's gate and up product with its SiLU gating (and the skip norm before it): one
@@ -337,6 +338,8 @@ def test_head_and_scheme_choices_export_validated_and_exact(sources, tmp_path, l
     w = m.extra["weights"]
     assert w["scheme"] == scheme
     assert w["lm_head_bits"] == {"int8": 8, "int4": 4, "fp32": None}[lm_head]
+    assert m.precision == "int4 weights" + {"int8": " (8-bit head)", "int4": "",
+                                            "fp32": " (float head)"}[lm_head] + ", fp32 activations"
     assert sum(_op_count(out, op) for op in ("MatMulNBits", "Q8Gemm", *Q4_OPS)) == \
         4 * m.architecture.num_layers + (lm_head != "fp32")
     assert (_op_count(out, "Q4Gemm") > 0) == (scheme == "block-min" and kernels.available())

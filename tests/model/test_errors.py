@@ -220,7 +220,7 @@ def test_a_bad_draft_context_is_refused(decoder, context, match):
     (["--draft", "elsewhere"], r"--draft is used only with --drafter draft-model"),
     (["--providers", "NoSuchExecutionProvider"],
      r"execution provider 'NoSuchExecutionProvider' is not available.*available: .*CPUExecutionProvider"),
-    (["--no-such-flag"], r"unrecognized arguments: --no-such-flag"),
+    (["--no-such-flag"], r"unrecognized arguments: --no-such-flag \(see `ortspec generate -h`\)"),
 ])
 def test_bad_options_through_the_cli_before_the_model_loads(capsys, monkeypatch, tmp_path, flags,
                                                             match):
@@ -491,7 +491,7 @@ def test_non_finite_logits_from_an_onnx_graph(poisoned_dir, capsys):
 
 
 def test_load_model_errors(tmp_path, tiny_dir):
-    with pytest.raises(ManifestError, match="does not exist or is not a directory"):
+    with pytest.raises(ManifestError, match="does not exist or is not a directory$"):
         load_model(tmp_path / "missing")
     with pytest.raises(ManifestError, match="has no manifest.json"):
         load_model(tmp_path)
@@ -503,6 +503,19 @@ def test_load_model_errors(tmp_path, tiny_dir):
         load_model(tiny_dir, threads=-1)
     with pytest.raises(InvalidOptionError, match="lists no draft model"):
         load_model(tiny_dir, draft=True)
+
+
+@pytest.mark.parametrize("kwargs, command", [
+    ({}, "ortspec export"), ({"precision": "fp32"}, "ortspec export --dtype fp32"),
+    ({"batched": True}, "ortspec export --attention window"),
+    ({"batched": True, "precision": "fp32"}, "ortspec export --dtype fp32 --attention window")])
+def test_a_missing_default_export_names_the_command_that_makes_it(tmp_path, monkeypatch, kwargs,
+                                                                  command):
+    from ortspec.runtime import default_model_path
+
+    monkeypatch.setenv("ORTSPEC_MODELS_DIR", str(tmp_path))
+    with pytest.raises(ManifestError, match=re.escape(f"make it with `{command}`") + "$"):
+        load_model(default_model_path(**kwargs))
 
 
 def test_model_generate_errors(tiny):
@@ -524,6 +537,24 @@ def test_cli_model_errors(capsys, tmp_path, tiny_dir):
                                              "--prompt", "hi", "--chat")
     assert "lists no draft model" in cli_error(capsys, "generate", "--model", str(tiny_dir),
                                                "--prompt", "hi", "--drafter", "draft-model")
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("drafter", ["eagle3", "prompt-lookup+eagle3"])
+def test_a_drafter_needing_a_draft_head_the_model_lacks_is_refused_before_loading(
+        capsys, monkeypatch, tiny_dir, command, drafter):
+    if command == "serve":
+        pytest.importorskip("fastapi", reason="the serve extra")
+    import ortspec.runtime.load
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before its drafter was checked")
+
+    monkeypatch.setattr(ortspec.runtime.load, "load_model", loaded)
+    argv = [command, "--model", str(tiny_dir), "--drafter", drafter]
+    line = cli_error(capsys, *(argv + ["--prompt", "hi"] if command == "generate" else argv))
+    assert f"drafter {drafter!r} needs a trained draft head" in line
+    assert "--draft-head" in line
 
 
 def test_a_graph_onnxruntime_refuses_is_one_line_from_the_cli(capsys, tmp_path):

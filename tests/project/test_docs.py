@@ -115,6 +115,17 @@ def test_serve_defaults_match_the_docs():
     assert _numbers("docs/serve.md", r"at most its `max_batch`\), else (\d+) \|") \
         == [str(DEFAULT_MAX_CONCURRENT)]
     assert args.prefix_cache_mib == prefix_cache.DEFAULT_PREFIX_CACHE_MIB
+    drafters = next(a for a in serve_cli.build_parser()._actions if a.dest == "drafter")
+    assert _numbers("docs/serve.md", r"\[--drafter ([a-z0-9|+-]+)\]") == ["|".join(drafters.choices)]
+    assert _numbers("docs/serve.md", r"\| `--drafter` \| ([a-z-]+) \|") == [args.drafter]
+
+
+def test_the_serve_examples_name_the_model_the_default_export_serves():
+    from ortspec.runtime.paths import DEFAULT_MODEL_NAME
+
+    for name in ("README.md", "docs/serve.md"):
+        ids = re.findall(r"""model["']?\s*[:=]\s*["']([^"']+)["']""", _text(name))
+        assert ids and set(ids) == {DEFAULT_MODEL_NAME}, (name, ids)
 
 
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")

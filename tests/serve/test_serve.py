@@ -101,6 +101,8 @@ def test_an_unknown_model_is_404_and_bad_messages_name_their_index():
     e = _error(parse_chat, {"model": "m", "messages": [{"role": "user", "content": "a"},
                                                        {"role": "tool", "content": "b"}]})
     assert e.param == "messages[1].role" and "'tool'" in e.message
+    for role in ("system", "developer", "user", "assistant"):  # every role a chat may hold
+        assert role in e.message.partition(", got")[0]
     assert _error(parse_chat, {"model": "m", "messages": []}).param == "messages"
 
 
@@ -285,6 +287,8 @@ def test_openai_client_chat_and_completions_equal_in_process_generate(client, mo
     assert "".join(c.choices[0].text for c in streamed) == want.text[:want.text.index(stop)]
 
     assert [m.id for m in client.models.list().data] == [NAME]
+    # created: when the server took the model, a Unix time in seconds, not 0
+    assert 0 < client.models.list().data[0].created <= time.time()
 
 
 @pytest.mark.slow

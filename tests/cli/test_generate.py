@@ -1,0 +1,29 @@
+"""`ortspec generate` end to end on the hand-written tiny graph: the text on stdout, one summary
+line on stderr that says what the drafter did."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from ortspec.runtime.cli.main import main as cli_main
+
+TINY_EXPORT = None  # helpers.export.write_graph_dir: no torch
+
+
+@pytest.mark.parametrize("drafter, drafts", [("none", False), ("prompt-lookup", True)])
+def test_the_summary_line_counts_what_was_drafted(capsys, tiny_dir, drafter, drafts):
+    # ids repeat in the prompt, so prompt lookup finds continuations to draft
+    rc = cli_main(["generate", "--model", str(tiny_dir), "--prompt", "a b c a b c a b c a b",
+                   "--max-new-tokens", "12", "--temperature", "0", "--drafter", drafter,
+                   "--fixed-draft-len"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    summary = err.strip().splitlines()[-1]
+    assert re.match(r"\[\d+ tokens, [0-9.]+ tok/s, finish=\w+, ", summary), summary
+    found = re.search(r"acceptance [0-9.]+% \((\d+)/(\d+)\)", summary)
+    if drafts:
+        assert found and int(found[2]) > 0 and int(found[1]) <= int(found[2]), summary
+    else:
+        assert found is None and "nothing drafted" in summary, summary
