@@ -121,7 +121,7 @@ class Sample:
 
 
 def _load(args: argparse.Namespace):
-    path = args.model
+    path = None if args.model is None else Path(args.model)
     if path is None:
         path = default_model_path()
         if not (path / "manifest.json").is_file():
