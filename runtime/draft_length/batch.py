@@ -23,6 +23,7 @@ CONTEXT_STEP = 32  # BatchCosts prices the rows' mean context to this many token
 # model, 1.0-1.3 ms of a 1.6-1.9 ms share) a block judged worth a few percent loses as often as
 # it gains, and every other row of the call waits for it
 LOAD_MARGIN = 0.08
+MARGIN_ROWS, MARGIN_PER_ROW = 4, 0.1
 
 
 def _to_step(context: int) -> int:
@@ -143,8 +144,10 @@ class BatchCosts:
         """Ignored (see the class docstring)."""
 
     def margin(self) -> float:
-        """LOAD_MARGIN with other rows decoding; 0 for a row alone."""
-        return LOAD_MARGIN if self._rows() > 1 else 0.0
+        """LOAD_MARGIN with other rows decoding (MARGIN_PER_ROW a row past MARGIN_ROWS);
+        0 for a row alone."""
+        rows = self._rows()
+        return 0.0 if rows <= 1 else LOAD_MARGIN + MARGIN_PER_ROW * max(0, rows - MARGIN_ROWS)
 
     def draft_step(self, solo: float) -> float:
         """A row's share of a drafted token's draft step: a draft model that batches its rows'

@@ -346,6 +346,33 @@ def test_under_load_a_block_must_beat_a_plain_step_by_the_margin_and_declined_on
     assert all(policy.should_propose() for _ in range(3))
 
 
+def test_the_margin_grows_with_the_rows_past_four_and_declines_what_four_rows_would_draft():
+    """A block must beat a plain step by LOAD_MARGIN at 2-4 rows and by MARGIN_PER_ROW more for
+    each row past MARGIN_ROWS: on a surface where a draft costs the same share at 4 and 8 rows
+    (free), a block expected to gain 30% is drafted at 4 rows and declined at 8."""
+    from ortspec.runtime.draft_length.batch import MARGIN_PER_ROW, MARGIN_ROWS
+
+    surface = CostSurface(rows=(4, 8), tokens=(1, 2), seconds=((4.0, 4.0), (8.0, 8.0)))
+    rows = [1]
+    costs = BatchCosts(surface, lambda: rows[0])
+    margins = {}
+    for rows[0] in (1, 2, 4, 5, 8):
+        margins[rows[0]] = costs.margin()
+    assert margins[1] == 0.0 and margins[2] == margins[4] == LOAD_MARGIN
+    assert margins[5] == pytest.approx(LOAD_MARGIN + MARGIN_PER_ROW)
+    assert margins[8] == pytest.approx(LOAD_MARGIN + (8 - MARGIN_ROWS) * MARGIN_PER_ROW)
+    assert margins[8] > 0.3 > margins[4]  # the bars the block below falls between
+    policy = AdaptiveDraftLength(CostCurve((1.0,))).for_batch_row(costs)
+    block = DraftBlock.points([7], source="test", match_len=3)
+    for i in range(300):  # 3 drafts in 10 accepted: a rate 1.3 plain steps' at either width
+        policy.observe(block, 1, int(i % 10 < 3), 7)
+    assert policy.acceptance.estimates(("test", 3), 1)[0] == pytest.approx(0.3, abs=0.03)
+    rows[0] = 4
+    assert policy.choose(block) == 1
+    rows[0] = 8
+    assert policy.choose(block) == 0
+
+
 def test_under_load_a_row_drafts_only_what_pays_when_every_row_drafts_alike():
     """A steep surface (each token of a call at 8 rows costs as much as at 1 row): a block that
     pays alone is refused at 8 rows, where 8 rows drafting it would cost more than the
@@ -417,7 +444,7 @@ def test_under_load_a_row_deep_into_long_prompts_drafts_less():
     assert draft_costs.draft_step(0.1) == pytest.approx(0.8 / 8)
 
 
-def test_the_runners_timed_calls_correct_how_dear_a_surface_says_drafts_are():
+def test_the_runners_timed_calls_correct_how_dear_a_surface_says_drafts_are(monkeypatch):
     """Calls of one token a row set the base ratio r_b; calls with drafts whose extra tokens
     cost 3x what the surface says set the excess ratio r_x = 3 (averaged over decaying weights
     W = sum of 0.97^i, with 8 pseudo-calls at r_b), and factor = r_x / r_b; a row's block then
@@ -467,6 +494,7 @@ def test_the_runners_timed_calls_correct_how_dear_a_surface_says_drafts_are():
     np.testing.assert_allclose(priced - priced[0], correction.factor * (plain - plain[0]))
     block = DraftBlock.points([1, 2, 3, 4], source="test", match_len=3)
     chosen = []
+    monkeypatch.setattr(batch_costs, "MARGIN_PER_ROW", 0.0)  # the prices decide, at 8 rows
     for c in (costs, corrected):
         policy = AdaptiveDraftLength(CostCurve((1.0,))).for_batch_row(c)
         for i in range(60):  # half the blocks fully accepted, half rejected at once
