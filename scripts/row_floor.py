@@ -179,12 +179,13 @@ def graph_macs(model_dir: Path, context: int) -> tuple[int, int]:
     """(integer multiply-adds a row in the products, float ones in the attention at `context`)"""
     import onnx
 
+    from ortspec.export.row_probe import ORTSPEC_OPS
+
     man, graph = _graph(model_dir)
     ints = 0
     for node in graph.node:
         attrs = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
-        if node.op_type in ("Q4Gemm", "Q4GemmSwiGlu", "Q4GemmNorm", "Q4GemmSwiGluNorm",
-                            "Q8Gemm", "MatMulNBits") and "K" in attrs and "N" in attrs:
+        if node.op_type in (*ORTSPEC_OPS, "MatMulNBits") and "K" in attrs and "N" in attrs:
             ints += attrs["K"] * attrs["N"]
     arch = man.architecture
     attention = 2 * arch.num_layers * arch.num_heads * arch.head_dim * context

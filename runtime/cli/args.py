@@ -44,8 +44,9 @@ def check_drafter_arg(drafter: str, model_dir: Path) -> None:
     from ..ort.manifest import read_manifest
     from ..request import check_draft_head
 
-    check_draft_head(drafter, has_draft_head=read_manifest(model_dir).draft_head is not None,
-                     path=str(model_dir))
+    # the manifest's fields only: load_model checks the files' sha256 next
+    manifest = read_manifest(model_dir, verify_checksums=False)
+    check_draft_head(drafter, has_draft_head=manifest.draft_head is not None, path=str(model_dir))
 
 
 def providers_arg(value: str | None) -> list[str] | None:

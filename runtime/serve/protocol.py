@@ -275,8 +275,8 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerationRequest:
         role = "system" if m.get("role") == "developer" else m.get("role")
         if role not in CHAT_ROLES:
             raise invalid(f"messages[{i}].role", f"messages[{i}].role must be one of "
-                                                  f"system, developer (as system), user, "
-                                                  f"assistant, got {m.get('role')!r}")
+                                                  f"{', '.join(CHAT_ROLES)} or developer (as "
+                                                  f"system), got {m.get('role')!r}")
         turns.append({"role": role, "content": _message_text(i, m.get("content"))})
     if info.chat_format is None:
         raise invalid("messages", f"the model {info.name!r} has no chat format; use /v1/completions")
