@@ -52,7 +52,9 @@ static __thread size_t scratch_size;
 static int product(const Weight *w, const float *x, int64_t rows, float *y, void *context) {
 #ifdef ORTSPEC_X86
     int64_t nb = w->k / QK, stride = w->k + QX_PAD;
-    size_t need = (size_t)(rows * stride) + 4 * sizeof(float) * (size_t)(rows * nb) + 64;
+    int wide = ortspec_q4_isa() == 2;
+    size_t need = (size_t)(rows * stride) + 4 * sizeof(float) * (size_t)(rows * nb) + 64 +
+                  (wide ? 0 : (size_t)(rows * w->k * 8) * (w->op == OP_Q8 ? 2 : 1) + 32);
     if (need > scratch_size) {
         free(scratch);
         scratch = malloc(need);
@@ -65,7 +67,13 @@ static int product(const Weight *w, const float *x, int64_t rows, float *y, void
     int32_t *ix = (int32_t *)(bx + rows * nb);
     float *qs = (float *)(ix + rows * nb);
     quantize_rows(x, rows, w->k, stride, qx, sx, bx, ix, qs);
-    Activations a = {rows, w->k, w->n, stride, qx, sx, bx, ix, qs};
+    int8_t *xb = NULL, *xa = NULL;  /* AVX2: the broadcast activations (Activations.xb) */
+    if (!wide) {
+        xb = (int8_t *)(((uintptr_t)(qs + rows * nb) + 31) & ~(uintptr_t)31);
+        if (w->op == OP_Q8) xa = xb + rows * w->k * 8;
+        broadcast_rows(qx, rows, w->k, stride, xb, xa);
+    }
+    Activations a = {rows, w->k, w->n, stride, qx, sx, bx, ix, qs, xb, xa};
     int64_t tiles = w->n / TILE;
     /* chunks enough for the pool to balance, each of whole tiles */
     Work job = {w, &a, y, tiles, tiles < 16 ? tiles : 16};

@@ -91,7 +91,22 @@ typedef struct {
     const float *sx, *bx;
     const int32_t *ix;
     const float *qs;
+    /* AVX2 only: each row's int8 groups of 4 repeated across 32 bytes, [rows, k / 4, 32], so
+     * that a multiply reads its operand whole instead of broadcasting it first */
+    const int8_t *xb;
+    const int8_t *xa;  /* ... and their absolute values (8-bit weights) */
 } Activations;
+
+/* the AVX2 kernels' broadcast activations (Activations.xb) from qx */
+static AVX2 void broadcast_rows(const int8_t *qx, int64_t rows, int64_t k, int64_t stride,
+                                int8_t *xb, int8_t *xa) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < k / 4; g++) {
+            __m256i v = _mm256_set1_epi32(*(const int32_t *)(qx + r * stride + 4 * g));
+            _mm256_store_si256((__m256i *)(xb + (r * (k / 4) + g) * 32), v);
+            if (xa) _mm256_store_si256((__m256i *)(xa + (r * (k / 4) + g) * 32), _mm256_abs_epi8(v));
+        }
+}
 
 /* ---- Q4: R rows x one tile, all blocks ---------------------------------------------------- */
 
@@ -141,26 +156,31 @@ static AVX512 INLINE void q4_tile512(int R, const Activations *a, int64_t r0, co
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * a->n, acc[r]);
 }
 
-/* AVX2: two halves of 8 outputs; the u8 x s8 pairs are summed in int16 over the block's 8
- * groups (at most 8 * 2 * 15 * 127 = 30480: nothing saturates), then widened once */
+/* AVX2: the tile as two halves of 8 outputs, one after the other, so that a half's R
+ * accumulators, its 8 unpacked weight vectors and a row's sums fit AVX2's 16 registers (with
+ * both halves at once they did not, and every row spilled); the u8 x s8 pairs are summed in
+ * int16 over the block's 8 groups (at most 8 * 2 * 15 * 127 = 30480: nothing saturates), then
+ * widened once */
 static AVX2 INLINE void q4_tile256(int R, const Activations *a, int64_t r0, const uint8_t *q,
                                    const uint16_t *d, const uint16_t *m, float *y) {
-    const int64_t nb = a->k / QK, stride = a->stride;
-    const int8_t *qx = a->qx + r0 * stride;
+    const int64_t nb = a->k / QK;
+    const int8_t *xb = a->xb + r0 * a->k * 8;
     const float *sx = a->sx + r0 * nb, *bx = a->bx + r0 * nb, *qs = a->qs + r0 * nb;
-    __m256 acc[2][ROWS256];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const __m256 zero = _mm256_setzero_ps(), fifteen = _mm256_set1_ps(15.f);
-    for (int64_t b = 0; b < nb; b++) {
-        prefetch(q + b * 256, PREFETCH_AHEAD, 4);
-        if ((b & 1) == 0) {
-            prefetch(d + b * TILE, PREFETCH_AHEAD / 8, 1);
-            prefetch(m + b * TILE, PREFETCH_AHEAD / 8, 1);
-        }
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) {
+#pragma GCC unroll 1
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[ROWS256];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            if (h == 0) {  /* the second half finds the tile's blocks in the cache */
+                prefetch(q + b * 256, PREFETCH_AHEAD, 4);
+                if ((b & 1) == 0) {
+                    prefetch(d + b * TILE, PREFETCH_AHEAD / 8, 1);
+                    prefetch(m + b * TILE, PREFETCH_AHEAD / 8, 1);
+                }
+            }
             __m256i w[8];
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
@@ -177,23 +197,20 @@ static AVX2 INLINE void q4_tile256(int R, const Activations *a, int64_t r0, cons
             __m256 off = _mm256_fmadd_ps(z, dv, mv), nzd = _mm256_sub_ps(zero, _mm256_mul_ps(z, dv));
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
-                const int32_t *xr = (const int32_t *)(qx + r * stride + b * QK);
-                __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xr[0]));
+                const __m256i *xr = (const __m256i *)(xb + (r * nb + b) * 256);
+                __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_load_si256(xr));
 #pragma GCC unroll 7
                 for (int g = 1; g < 8; g++)
-                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(xr[g])));
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[g], _mm256_load_si256(xr + g)));
                 __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
                 __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(sx[r * nb + b]));
-                acc[h][r] = _mm256_fmadd_ps(f, scale, acc[h][r]);
-                acc[h][r] = _mm256_fmadd_ps(nzd, _mm256_set1_ps(qs[r * nb + b]), acc[h][r]);
-                acc[h][r] = _mm256_fmadd_ps(off, _mm256_set1_ps(bx[r * nb + b]), acc[h][r]);
+                acc[r] = _mm256_fmadd_ps(f, scale, acc[r]);
+                acc[r] = _mm256_fmadd_ps(nzd, _mm256_set1_ps(qs[r * nb + b]), acc[r]);
+                acc[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(bx[r * nb + b]), acc[r]);
             }
         }
-    }
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        _mm256_storeu_ps(y + (r0 + r) * a->n, acc[0][r]);
-        _mm256_storeu_ps(y + (r0 + r) * a->n + 8, acc[1][r]);
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (r0 + r) * a->n + h * 8, acc[r]);
     }
 }
 
@@ -231,21 +248,24 @@ static AVX512 INLINE void q8_tile512(int R, const Activations *a, int64_t r0, co
 }
 
 /* AVX2: the weights as s8 (u - 128), multiplied by |x| after taking x's sign (vpsignb), so the
- * u8 x s8 pair sums stay within 2 * 127 * 128 */
+ * u8 x s8 pair sums stay within 2 * 127 * 128; the tile's halves one after the other, as in
+ * q4_tile256 */
 static AVX2 INLINE void q8_tile256(int R, const Activations *a, int64_t r0, const uint8_t *q,
                                    const float *d, float *y) {
-    const int64_t nb = a->k / QK, stride = a->stride;
-    const int8_t *qx = a->qx + r0 * stride;
+    const int64_t nb = a->k / QK;
+    const int8_t *xb = a->xb + r0 * a->k * 8, *xa = a->xa + r0 * a->k * 8;
     const float *sx = a->sx + r0 * nb;
-    __m256 acc[2][ROWS256];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
-    for (int64_t b = 0; b < nb; b++) {
-        prefetch(q + b * 512, PREFETCH_AHEAD, 8);
-        prefetch(d + b * TILE, PREFETCH_AHEAD / 8, 1);
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) {
+#pragma GCC unroll 1
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[ROWS256];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            if (h == 0) {
+                prefetch(q + b * 512, PREFETCH_AHEAD, 8);
+                prefetch(d + b * TILE, PREFETCH_AHEAD / 8, 1);
+            }
             __m256i w[8];
 #pragma GCC unroll 8
             for (int g = 0; g < 8; g++)
@@ -253,31 +273,29 @@ static AVX2 INLINE void q8_tile256(int R, const Activations *a, int64_t r0, cons
             __m256 dv = _mm256_loadu_ps(d + b * TILE + h * 8);
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
-                const int32_t *xr = (const int32_t *)(qx + r * stride + b * QK);
+                const __m256i *xr = (const __m256i *)(xb + (r * nb + b) * 256);
+                const __m256i *ar = (const __m256i *)(xa + (r * nb + b) * 256);
                 __m256i s = _mm256_setzero_si256();
 #pragma GCC unroll 8
                 for (int g = 0; g < 8; g++) {
-                    __m256i xg = _mm256_set1_epi32(xr[g]);
-                    __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(xg), _mm256_sign_epi8(w[g], xg));
+                    __m256i p = _mm256_maddubs_epi16(_mm256_load_si256(ar + g),
+                                                     _mm256_sign_epi8(w[g], _mm256_load_si256(xr + g)));
                     s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
                 }
                 __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(sx[r * nb + b]));
-                acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[h][r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
             }
         }
-    }
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        _mm256_storeu_ps(y + (r0 + r) * a->n, acc[0][r]);
-        _mm256_storeu_ps(y + (r0 + r) * a->n + 8, acc[1][r]);
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (r0 + r) * a->n + h * 8, acc[r]);
     }
 }
 
 /* ---- every row of output tiles [t0, t1) --------------------------------------------------- */
 
 /* each kernel call takes a group of rows: ROWS512_Q4 or ROWS512 (AVX-512, its 32 registers
- * holding the accumulators and the unpacked weights) or ROWS256 (AVX2: 2 x 4 accumulators of
- * its 16), the last group what is left */
+ * holding the accumulators and the unpacked weights) or ROWS256 (AVX2: a half-tile's 4
+ * accumulators of its 16), the last group what is left */
 #define ROW_GROUPS(STEP, CASES)                                                     \
     for (int64_t r = 0; r < a->rows; r += STEP) {                                  \
         int64_t left = a->rows - r;                                                \
