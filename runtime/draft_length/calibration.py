@@ -8,12 +8,19 @@ the model's graph, the provider, the machine's CPU and the intra-op thread count
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 import time
 from pathlib import Path
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Iterator, Sequence, TypeVar
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: measurements are not serialised across processes
+    fcntl = None  # type: ignore[assignment]
 
 import numpy as np
 
@@ -23,6 +30,8 @@ from ..paths import cache_root
 from ..decoding.protocols import Decoder
 
 T = TypeVar("T")
+
+log = logging.getLogger("ortspec.calibration")
 
 # 2: cost surfaces have a one-token column (curves re-measured too); 3: a surface's call has one
 # row of `tokens` tokens and the others one each; 4: surfaces measured at two contexts
@@ -164,14 +173,10 @@ def calibrated_cost_curve(decoder: Decoder, key: CalibrationKey | str | os.PathL
             return CostCurve(tuple(secs)).padded_to(key.min_rows)
         return None
 
-    cached = None if refresh else _read_cached(path, read)
-    if cached is not None:
-        return cached
-    curve = CostCurve.measure(decoder, max_len=max_len).padded_to(key.min_rows)
-    _store(path, {"version": CALIBRATION_VERSION, "providers": list(key.providers),
-                  "model": key.model_dir, "seconds": list(curve.seconds),
-                  "relative": curve.relative()})
-    return curve
+    return _cached(path, read, lambda: CostCurve.measure(decoder, max_len=max_len).padded_to(
+        key.min_rows), lambda curve: {"providers": list(key.providers), "model": key.model_dir,
+                                      "seconds": list(curve.seconds),
+                                      "relative": curve.relative()}, refresh=refresh)
 
 
 def calibrated_step_ratio(draft: Decoder, target: Decoder, key: CalibrationKey, *,
@@ -187,13 +192,50 @@ def calibrated_step_ratio(draft: Decoder, target: Decoder, key: CalibrationKey, 
         ratio = data["ratio"]
         return ratio if isinstance(ratio, float) and ratio > 0 else None
 
-    cached = None if refresh else _read_cached(path, read)
-    if cached is not None:
-        return cached
-    ratio = step_cost_ratio(draft, target)
-    _store(path, {"version": CALIBRATION_VERSION, "model": key.model_dir, "draft": draft_id,
-                  "ratio": ratio})
-    return ratio
+    return _cached(path, read, lambda: step_cost_ratio(draft, target),
+                   lambda ratio: {"model": key.model_dir, "draft": draft_id, "ratio": ratio},
+                   refresh=refresh)
+
+
+def _cached(path: Path, read: Callable[[dict], T | None], measure: Callable[[], T],
+            record: Callable[[T], dict], *, refresh: bool) -> T:
+    """The measurement cached at `path` (`_read_cached`), else (or on `refresh`) measure()
+    stored as record(value). The lookup and the measuring hold `_measuring(path)`, so that
+    processes sharing the cache (two servers, Ray Serve's replicas of one model) measure one at
+    a time and the later ones read the first one's result: each timing its calls while another
+    process times its own would measure the other's load, and keep it."""
+    with _measuring(path):
+        cached = None if refresh else _read_cached(path, read)
+        if cached is not None:
+            return cached
+        value = measure()
+        _store(path, {"version": CALIBRATION_VERSION, **record(value)})
+        return value
+
+
+@contextlib.contextmanager
+def _measuring(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path`'s lock file (`<path without .json>.lock`) across the
+    processes of this machine, while held; nothing where the file cannot be made (a read-only
+    cache) or there is no `fcntl`. A process that has to wait says so."""
+    if fcntl is None:
+        yield
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process measuring %s", path.name)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # (closing it releases the lock)
 
 
 def _read_cached(path: Path, read: Callable[[dict], T | None]) -> T | None:
@@ -361,14 +403,14 @@ def calibrated_cost_surface(backend, key: CalibrationKey, *, max_len: int,
             return surface
         return None
 
-    cached = None if refresh else _read_cached(path, read)
-    if cached is not None:
-        return cached
-    surface = CostSurface.measure(backend, max_len=max_len, floors=floors)
-    long = surface.long_seconds
-    _store(path, {"version": CALIBRATION_VERSION, "model": key.model_dir,
-                  "rows": list(surface.rows), "tokens": list(surface.tokens),
-                  "context": surface.context, "seconds": [list(line) for line in surface.seconds],
-                  "long_context": surface.long_context,
-                  "long_seconds": None if long is None else [list(line) for line in long]})
-    return surface
+    def record(surface: CostSurface) -> dict:
+        long = surface.long_seconds
+        return {"model": key.model_dir, "rows": list(surface.rows),
+                "tokens": list(surface.tokens), "context": surface.context,
+                "seconds": [list(line) for line in surface.seconds],
+                "long_context": surface.long_context,
+                "long_seconds": None if long is None else [list(line) for line in long]}
+
+    return _cached(path, read, lambda: CostSurface.measure(backend, max_len=max_len,
+                                                           floors=floors), record,
+                   refresh=refresh)

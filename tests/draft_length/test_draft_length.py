@@ -1,5 +1,8 @@
 """The cost-model draft length: hand-worked choices, learning, calibration."""
 
+import multiprocessing
+import os
+import time
 import types
 
 import numpy as np
@@ -87,6 +90,48 @@ def test_calibration_is_measured_once_then_read_from_the_cache(tmp_path, monkeyp
     assert len(files) == 1
     again = calibrated_cost_curve(decoder, tmp_path / "model")
     assert again == curve  # read back, not re-measured
+
+
+def _calibrate_in_child(cache: str, model: str, log: str, go) -> None:
+    """A process loading a model: its cost curve, measured (slowly) or read from the cache."""
+    os.environ["ORTSPEC_CACHE_DIR"] = cache
+
+    def measure(decoder, *, max_len, **_):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} start {time.monotonic()}\n")
+        time.sleep(0.4)
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} end {time.monotonic()}\n")
+        return CostCurve(tuple(0.001 * (1 + 0.1 * n) for n in range(max_len)))
+
+    CostCurve.measure = measure  # (this process only)
+    go.wait()
+    decoder = ReferenceDecoder(ReferenceConfig(vocab_size=32, capacity=128), max_verify_len=4)
+    curve = calibrated_cost_curve(decoder, model)
+    with open(log, "a") as f:
+        f.write(f"{os.getpid()} got {curve.seconds}\n")
+
+
+def test_processes_sharing_the_cache_measure_one_at_a_time(tmp_path):
+    """Two processes that load one model at once (two servers, Ray Serve's replicas): one
+    measures the cost curve while the other waits, then reads it; neither times its calls
+    while the other's run, which would cache the other's load as the model's cost."""
+    ctx = multiprocessing.get_context("fork")
+    go, log = ctx.Event(), tmp_path / "log.txt"
+    procs = [ctx.Process(target=_calibrate_in_child,
+                         args=(str(tmp_path / "cache"), str(tmp_path / "model"), str(log), go))
+             for _ in range(2)]
+    for p in procs:
+        p.start()
+    go.set()
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    lines = [line.split(" ", 2) for line in log.read_text().splitlines()]
+    starts = [line for line in lines if line[1] == "start"]
+    assert len(starts) == 1, "both processes measured"
+    got = {line[2] for line in lines if line[1] == "got"}
+    assert len(got) == 1 and sum(line[1] == "got" for line in lines) == 2
 
 
 def test_a_drafts_step_ratio_is_measured_once_per_draft_then_read_from_the_cache(tmp_path,
