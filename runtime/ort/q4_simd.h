@@ -156,6 +156,17 @@ static AVX512 INLINE void q4_tile512(int R, const Activations *a, int64_t r0, co
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * a->n, acc[r]);
 }
 
+/* a half-tile's R accumulators: zeroed, and stored into y's rows r0.. at outputs h * 8.. */
+static AVX2 INLINE void zero256(int R, __m256 *acc) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+}
+
+static AVX2 INLINE void store256(int R, const __m256 *acc, float *y, int64_t n, int64_t r0, int h) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (r0 + r) * n + h * 8, acc[r]);
+}
+
 /* AVX2: the tile as two halves of 8 outputs, one after the other, so that a half's R
  * accumulators, its 8 unpacked weight vectors and a row's sums fit AVX2's 16 registers (with
  * both halves at once they did not, and every row spilled); the u8 x s8 pairs are summed in
@@ -171,8 +182,7 @@ static AVX2 INLINE void q4_tile256(int R, const Activations *a, int64_t r0, cons
 #pragma GCC unroll 1
     for (int h = 0; h < 2; h++) {
         __m256 acc[ROWS256];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        zero256(R, acc);
         for (int64_t b = 0; b < nb; b++) {
             if (h == 0) {  /* the second half finds the tile's blocks in the cache */
                 prefetch(q + b * 256, PREFETCH_AHEAD, 4);
@@ -209,8 +219,7 @@ static AVX2 INLINE void q4_tile256(int R, const Activations *a, int64_t r0, cons
                 acc[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(bx[r * nb + b]), acc[r]);
             }
         }
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (r0 + r) * a->n + h * 8, acc[r]);
+        store256(R, acc, y, a->n, r0, h);
     }
 }
 
@@ -259,8 +268,7 @@ static AVX2 INLINE void q8_tile256(int R, const Activations *a, int64_t r0, cons
 #pragma GCC unroll 1
     for (int h = 0; h < 2; h++) {
         __m256 acc[ROWS256];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        zero256(R, acc);
         for (int64_t b = 0; b < nb; b++) {
             if (h == 0) {
                 prefetch(q + b * 512, PREFETCH_AHEAD, 8);
@@ -286,8 +294,7 @@ static AVX2 INLINE void q8_tile256(int R, const Activations *a, int64_t r0, cons
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
             }
         }
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (r0 + r) * a->n + h * 8, acc[r]);
+        store256(R, acc, y, a->n, r0, h);
     }
 }
 
