@@ -47,12 +47,24 @@ static void work_chunk(void *data, size_t i) {
 static __thread unsigned char *scratch;
 static __thread size_t scratch_size;
 
+/* the most rows an AVX2 product takes at a time: its broadcast activations (Activations.xb)
+ * take 8 bytes an input a row (16 for 8-bit weights), which a long prompt's call of thousands of
+ * rows would hold per thread for good; each further slab reads the weights once more */
+#define AVX2_SLAB_ROWS 256
+
 /* y [rows, n] = x [rows, k] times the weight; context: onnxruntime's kernel context, whose
  * thread pool takes the output tiles (NULL: this thread alone). -1 where memory ran out. */
 static int product(const Weight *w, const float *x, int64_t rows, float *y, void *context) {
 #ifdef ORTSPEC_X86
     int64_t nb = w->k / QK, stride = w->k + QX_PAD;
     int wide = ortspec_q4_isa() == 2;
+    if (!wide && rows > AVX2_SLAB_ROWS) {  /* (a row's result is the same in any slab) */
+        for (int64_t r = 0; r < rows; r += AVX2_SLAB_ROWS) {
+            int64_t slab = rows - r < AVX2_SLAB_ROWS ? rows - r : AVX2_SLAB_ROWS;
+            if (product(w, x + r * w->k, slab, y + r * w->n, context) != 0) return -1;
+        }
+        return 0;
+    }
     size_t need = (size_t)(rows * stride) + 4 * sizeof(float) * (size_t)(rows * nb) + 64 +
                   (wide ? 0 : (size_t)(rows * w->k * 8) * (w->op == OP_Q8 ? 2 : 1) + 32);
     if (need > scratch_size) {

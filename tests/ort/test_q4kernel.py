@@ -127,6 +127,22 @@ def test_every_row_of_a_call_is_bitwise_the_row_called_alone(lib, isa):
         np.testing.assert_array_equal(_gemm(lib, x[:rows], qw), alone[:rows], err_msg=f"{rows}")
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_call_of_more_rows_than_a_slab_is_its_rows_alone(lib, q8lib, isa):
+    """AVX2 products take a long prompt's rows in slabs of AVX2_SLAB_ROWS (256), bounding their
+    broadcast activations: a call past a slab (and not a multiple of it) is still each row's
+    lone result, for 4-bit and 8-bit weights."""
+    rng = np.random.default_rng(4)
+    qw = quantize_q4gemm(_q4_1_weight(rng, 32, 64))
+    b, scales, _ = _q8_weight(rng, 32, 64)
+    x = _activations(rng, 600, 64)
+    lib.ortspec_q4_force_isa(isa)
+    np.testing.assert_array_equal(_gemm(lib, x, qw),
+                                  np.stack([_gemm(lib, v[None], qw)[0] for v in x]))
+    np.testing.assert_array_equal(_q8(q8lib, x, b, scales),
+                                  np.stack([_q8(q8lib, v[None], b, scales)[0] for v in x]))
+
+
 def _swiglu(lib, x: np.ndarray, w) -> np.ndarray:
     x = np.ascontiguousarray(x, np.float32)
     rows, k = x.shape
