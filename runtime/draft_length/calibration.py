@@ -201,9 +201,10 @@ def _cached(path: Path, read: Callable[[dict], T | None], measure: Callable[[], 
             record: Callable[[T], dict], *, refresh: bool) -> T:
     """The measurement cached at `path` (`_read_cached`), else (or on `refresh`) measure()
     stored as record(value). The lookup and the measuring hold `_measuring(path)`, so that
-    processes sharing the cache (two servers, Ray Serve's replicas of one model) measure one at
-    a time and the later ones read the first one's result: each timing its calls while another
-    process times its own would measure the other's load, and keep it."""
+    processes sharing the cache (two servers, Ray Serve's replicas of one model, a target and a
+    draft in processes of their own) measure one at a time, and those after the first read
+    what it measured where they wanted the same: each timing its calls while another process
+    times its own would measure the other's load, and keep it."""
     with _measuring(path):
         cached = None if refresh else _read_cached(path, read)
         if cached is not None:
@@ -215,15 +216,17 @@ def _cached(path: Path, read: Callable[[dict], T | None], measure: Callable[[], 
 
 @contextlib.contextmanager
 def _measuring(path: Path) -> Iterator[None]:
-    """An exclusive lock on `path`'s lock file (`<path without .json>.lock`) across the
-    processes of this machine, while held; nothing where the file cannot be made (a read-only
-    cache) or there is no `fcntl`. A process that has to wait says so."""
+    """An exclusive lock across the processes (and threads) sharing `path`'s directory, one
+    for every measurement kept there (`measuring.lock`), since any timing is disturbed by any
+    other on the machine; nothing where the file cannot be made (a read-only cache) or there is
+    no `fcntl`. A process that has to wait says so. Not re-entrant: nothing measured under it
+    asks for another measurement."""
     if fcntl is None:
         yield
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path.parent / "measuring.lock", os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:
         yield
         return
@@ -231,7 +234,7 @@ def _measuring(path: Path) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log.info("waiting for another process measuring %s", path.name)
+            log.info("waiting for another measurement to end before %s", path.name)
             fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
