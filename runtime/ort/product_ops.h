@@ -80,7 +80,7 @@ static int product(const Weight *w, const float *x, int64_t rows, float *y, void
     float *qs = (float *)(ix + rows * nb);
     quantize_rows(x, rows, w->k, stride, qx, sx, bx, ix, qs);
     int8_t *xb = NULL, *xa = NULL;  /* AVX2: the broadcast activations (Activations.xb) */
-    if (!wide) {
+    if (!wide && rows > 1) {  /* (a lone row's kernels broadcast from qx) */
         xb = (int8_t *)(((uintptr_t)(qs + rows * nb) + 31) & ~(uintptr_t)31);
         if (w->op == OP_Q8) xa = xb + rows * w->k * 8;
         broadcast_rows(qx, rows, w->k, stride, xb, xa);

@@ -167,18 +167,50 @@ static AVX2 INLINE void store256(int R, const __m256 *acc, float *y, int64_t n, 
     for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (r0 + r) * n + h * 8, acc[r]);
 }
 
-/* AVX2: the tile as two halves of 8 outputs, one after the other, so that a half's R
- * accumulators, its 8 unpacked weight vectors and a row's sums fit AVX2's 16 registers (with
- * both halves at once they did not, and every row spilled); the u8 x s8 pairs are summed in
- * int16 over the block's 8 groups (at most 8 * 2 * 15 * 127 = 30480: nothing saturates), then
- * widened once */
+/* block b's half h (8 outputs) of a Q4 tile: its 8 weight vectors unpacked, its scales d and
+ * the float parts of its centring, off = m + z·d and nzd = -z·d */
+static AVX2 INLINE void q4_half256(const uint8_t *q, const uint16_t *d, const uint16_t *m,
+                                   int64_t b, int h, __m256i *w, __m256 *dv, __m256 *off,
+                                   __m256 *nzd) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256 zero = _mm256_setzero_ps(), fifteen = _mm256_set1_ps(15.f);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        __m256i packed = _mm256_loadu_si256((const __m256i *)(q + b * 256 + j * 64 + h * 32));
+        w[j] = _mm256_and_si256(packed, low);
+        w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+    }
+    *dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b * TILE + h * 8)));
+    __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b * TILE + h * 8)));
+    __m256 nonzero = _mm256_cmp_ps(*dv, zero, _CMP_NEQ_OQ);
+    __m256 z = _mm256_and_ps(_mm256_div_ps(_mm256_sub_ps(zero, mv), *dv), nonzero);
+    z = _mm256_min_ps(_mm256_max_ps(_mm256_round_ps(z, _MM_FROUND_TO_NEAREST_INT |
+                                                       _MM_FROUND_NO_EXC), zero), fifteen);
+    *off = _mm256_fmadd_ps(z, *dv, mv);
+    *nzd = _mm256_sub_ps(zero, _mm256_mul_ps(z, *dv));
+}
+
+/* a row's block of a Q4 half-tile into its accumulator: the int16 pair sums s16 (over the
+ * block's 8 groups: at most 8 * 2 * 15 * 127 = 30480, nothing saturates) widened once, scaled
+ * by d times the row's block scale sx, and the centring's terms with the row's integer and float
+ * block sums (qs, bx) */
+static AVX2 INLINE __m256 q4_add256(__m256 acc, __m256i s16, __m256 dv, __m256 off, __m256 nzd,
+                                    float sx, float qs, float bx) {
+    __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+    acc = _mm256_fmadd_ps(f, _mm256_mul_ps(dv, _mm256_set1_ps(sx)), acc);
+    acc = _mm256_fmadd_ps(nzd, _mm256_set1_ps(qs), acc);
+    return _mm256_fmadd_ps(off, _mm256_set1_ps(bx), acc);
+}
+
+/* AVX2, R rows of a pass (R > 1): the tile as two halves of 8 outputs, one after the other, so
+ * that a half's R accumulators, its 8 unpacked weight vectors and a row's sums fit AVX2's 16
+ * registers (with both halves at once they did not, and every row spilled); the rows' groups
+ * read whole from the call's broadcast buffer (Activations.xb) */
 static AVX2 INLINE void q4_tile256(int R, const Activations *a, int64_t r0, const uint8_t *q,
                                    const uint16_t *d, const uint16_t *m, float *y) {
     const int64_t nb = a->k / QK;
     const int8_t *xb = a->xb + r0 * a->k * 8;
     const float *sx = a->sx + r0 * nb, *bx = a->bx + r0 * nb, *qs = a->qs + r0 * nb;
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    const __m256 zero = _mm256_setzero_ps(), fifteen = _mm256_set1_ps(15.f);
 #pragma GCC unroll 1
     for (int h = 0; h < 2; h++) {
         __m256 acc[ROWS256];
@@ -192,19 +224,8 @@ static AVX2 INLINE void q4_tile256(int R, const Activations *a, int64_t r0, cons
                 }
             }
             __m256i w[8];
-#pragma GCC unroll 4
-            for (int j = 0; j < 4; j++) {
-                __m256i packed = _mm256_loadu_si256((const __m256i *)(q + b * 256 + j * 64 + h * 32));
-                w[j] = _mm256_and_si256(packed, low);
-                w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
-            }
-            __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b * TILE + h * 8)));
-            __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b * TILE + h * 8)));
-            __m256 nonzero = _mm256_cmp_ps(dv, zero, _CMP_NEQ_OQ);
-            __m256 z = _mm256_and_ps(_mm256_div_ps(_mm256_sub_ps(zero, mv), dv), nonzero);
-            z = _mm256_min_ps(_mm256_max_ps(_mm256_round_ps(z, _MM_FROUND_TO_NEAREST_INT |
-                                                               _MM_FROUND_NO_EXC), zero), fifteen);
-            __m256 off = _mm256_fmadd_ps(z, dv, mv), nzd = _mm256_sub_ps(zero, _mm256_mul_ps(z, dv));
+            __m256 dv, off, nzd;
+            q4_half256(q, d, m, b, h, w, &dv, &off, &nzd);
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 const __m256i *xr = (const __m256i *)(xb + (r * nb + b) * 256);
@@ -212,15 +233,42 @@ static AVX2 INLINE void q4_tile256(int R, const Activations *a, int64_t r0, cons
 #pragma GCC unroll 7
                 for (int g = 1; g < 8; g++)
                     s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[g], _mm256_load_si256(xr + g)));
-                __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
-                __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(sx[r * nb + b]));
-                acc[r] = _mm256_fmadd_ps(f, scale, acc[r]);
-                acc[r] = _mm256_fmadd_ps(nzd, _mm256_set1_ps(qs[r * nb + b]), acc[r]);
-                acc[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(bx[r * nb + b]), acc[r]);
+                acc[r] = q4_add256(acc[r], s16, dv, off, nzd, sx[r * nb + b], qs[r * nb + b],
+                                   bx[r * nb + b]);
             }
         }
         store256(R, acc, y, a->n, r0, h);
     }
+}
+
+/* AVX2, a lone row (a step, streaming the weights): both halves block by block, the row's
+ * groups broadcast from qx; in the broadcast buffer and a half at a time a step took
+ * 1.1-1.2x the time */
+static AVX2 INLINE void q4_row256(const Activations *a, const uint8_t *q, const uint16_t *d,
+                                  const uint16_t *m, float *y) {
+    const int64_t nb = a->k / QK;
+    const int32_t *x4 = (const int32_t *)a->qx;
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nb; b++) {
+        prefetch(q + b * 256, PREFETCH_AHEAD, 4);
+        if ((b & 1) == 0) {
+            prefetch(d + b * TILE, PREFETCH_AHEAD / 8, 1);
+            prefetch(m + b * TILE, PREFETCH_AHEAD / 8, 1);
+        }
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            __m256i w[8];
+            __m256 dv, off, nzd;
+            q4_half256(q, d, m, b, h, w, &dv, &off, &nzd);
+            __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(x4[b * 8]));
+#pragma GCC unroll 7
+            for (int g = 1; g < 8; g++)
+                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(x4[b * 8 + g])));
+            acc[h] = q4_add256(acc[h], s16, dv, off, nzd, a->sx[b], a->qs[b], a->bx[b]);
+        }
+    }
+    _mm256_storeu_ps(y, acc[0]);
+    _mm256_storeu_ps(y + 8, acc[1]);
 }
 
 /* ---- Q8: R rows x one tile, all blocks ---------------------------------------------------- */
@@ -256,15 +304,28 @@ static AVX512 INLINE void q8_tile512(int R, const Activations *a, int64_t r0, co
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * a->n, acc[r]);
 }
 
-/* AVX2: the weights as s8 (u - 128), multiplied by |x| after taking x's sign (vpsignb), so the
- * u8 x s8 pair sums stay within 2 * 127 * 128; the tile's halves one after the other, as in
- * q4_tile256 */
+/* block b's half h of a Q8 tile: its 8 weight vectors as s8 (u - 128), and its scales */
+static AVX2 INLINE void q8_half256(const uint8_t *q, const float *d, int64_t b, int h,
+                                   __m256i *w, __m256 *dv) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; g++)
+        w[g] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + b * 512 + g * 64 + h * 32)), flip);
+    *dv = _mm256_loadu_ps(d + b * TILE + h * 8);
+}
+
+/* a group's products with the s8 weights: |x| times the weights with x's sign (vpsignb), so
+ * the u8 x s8 pair sums stay within 2 * 127 * 128, widened to int32 */
+static AVX2 INLINE __m256i q8_group256(__m256i w, __m256i x, __m256i ax) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w, x)), _mm256_set1_epi16(1));
+}
+
+/* AVX2, R rows of a pass (R > 1): the tile's halves one after the other, as in q4_tile256 */
 static AVX2 INLINE void q8_tile256(int R, const Activations *a, int64_t r0, const uint8_t *q,
                                    const float *d, float *y) {
     const int64_t nb = a->k / QK;
     const int8_t *xb = a->xb + r0 * a->k * 8, *xa = a->xa + r0 * a->k * 8;
     const float *sx = a->sx + r0 * nb;
-    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
 #pragma GCC unroll 1
     for (int h = 0; h < 2; h++) {
         __m256 acc[ROWS256];
@@ -275,27 +336,51 @@ static AVX2 INLINE void q8_tile256(int R, const Activations *a, int64_t r0, cons
                 prefetch(d + b * TILE, PREFETCH_AHEAD / 8, 1);
             }
             __m256i w[8];
-#pragma GCC unroll 8
-            for (int g = 0; g < 8; g++)
-                w[g] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + b * 512 + g * 64 + h * 32)), flip);
-            __m256 dv = _mm256_loadu_ps(d + b * TILE + h * 8);
+            __m256 dv;
+            q8_half256(q, d, b, h, w, &dv);
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 const __m256i *xr = (const __m256i *)(xb + (r * nb + b) * 256);
                 const __m256i *ar = (const __m256i *)(xa + (r * nb + b) * 256);
                 __m256i s = _mm256_setzero_si256();
 #pragma GCC unroll 8
-                for (int g = 0; g < 8; g++) {
-                    __m256i p = _mm256_maddubs_epi16(_mm256_load_si256(ar + g),
-                                                     _mm256_sign_epi8(w[g], _mm256_load_si256(xr + g)));
-                    s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
-                }
+                for (int g = 0; g < 8; g++)
+                    s = _mm256_add_epi32(s, q8_group256(w[g], _mm256_load_si256(xr + g),
+                                                        _mm256_load_si256(ar + g)));
                 __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(sx[r * nb + b]));
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
             }
         }
         store256(R, acc, y, a->n, r0, h);
     }
+}
+
+/* AVX2, a lone row: both halves block by block, as q4_row256 */
+static AVX2 INLINE void q8_row256(const Activations *a, const uint8_t *q, const float *d,
+                                  float *y) {
+    const int64_t nb = a->k / QK;
+    const int32_t *x4 = (const int32_t *)a->qx;
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nb; b++) {
+        prefetch(q + b * 512, PREFETCH_AHEAD, 8);
+        prefetch(d + b * TILE, PREFETCH_AHEAD / 8, 1);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            __m256i w[8];
+            __m256 dv;
+            q8_half256(q, d, b, h, w, &dv);
+            __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int g = 0; g < 8; g++) {
+                __m256i xg = _mm256_set1_epi32(x4[b * 8 + g]);
+                s = _mm256_add_epi32(s, q8_group256(w[g], xg, _mm256_abs_epi8(xg)));
+            }
+            __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(a->sx[b]));
+            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[h]);
+        }
+    }
+    _mm256_storeu_ps(y, acc[0]);
+    _mm256_storeu_ps(y + 8, acc[1]);
 }
 
 /* ---- every row of output tiles [t0, t1) --------------------------------------------------- */
@@ -342,7 +427,9 @@ static AVX2 void q4_tiles256(const Activations *a, const uint8_t *q, const uint1
                              const uint16_t *m, float *y, int64_t t0, int64_t t1) {
     int64_t nb = a->k / QK;
     for (int64_t t = t0; t < t1; t++)
-        ROW_CASES_4(q4_tile256, q + t * nb * 256, d + t * nb * TILE, m + t * nb * TILE, y + t * TILE)
+        if (a->rows == 1)
+            q4_row256(a, q + t * nb * 256, d + t * nb * TILE, m + t * nb * TILE, y + t * TILE);
+        else ROW_CASES_4(q4_tile256, q + t * nb * 256, d + t * nb * TILE, m + t * nb * TILE, y + t * TILE)
 }
 
 static AVX512 void q8_tiles512(const Activations *a, const uint8_t *q, const float *d, float *y,
@@ -356,7 +443,8 @@ static AVX2 void q8_tiles256(const Activations *a, const uint8_t *q, const float
                              int64_t t0, int64_t t1) {
     int64_t nb = a->k / QK;
     for (int64_t t = t0; t < t1; t++)
-        ROW_CASES_4(q8_tile256, q + t * nb * 512, d + t * nb * TILE, y + t * TILE)
+        if (a->rows == 1) q8_row256(a, q + t * nb * 512, d + t * nb * TILE, y + t * TILE);
+        else ROW_CASES_4(q8_tile256, q + t * nb * 512, d + t * nb * TILE, y + t * TILE)
 }
 
 /* MatMulNBits' 8-bit B [n, k / 32, 32] and scales [n * k / 32] -> the Q8 tiles */
