@@ -244,10 +244,12 @@ static AVX2 INLINE void q4_tile256(int R, const Activations *a, int64_t r0, cons
 /* AVX2, a lone row (a step, streaming the weights): both halves block by block, the row's
  * groups broadcast from qx; in the broadcast buffer and a half at a time a step took
  * 1.1-1.2x the time */
-static AVX2 INLINE void q4_row256(const Activations *a, const uint8_t *q, const uint16_t *d,
-                                  const uint16_t *m, float *y) {
+static AVX2 INLINE void q4_row256(const Activations *a, int64_t r0, const uint8_t *q,
+                                  const uint16_t *d, const uint16_t *m, float *y) {
     const int64_t nb = a->k / QK;
-    const int32_t *x4 = (const int32_t *)a->qx;
+    const int32_t *x4 = (const int32_t *)(a->qx + r0 * a->stride);
+    const float *sx = a->sx + r0 * nb, *bx = a->bx + r0 * nb, *qs = a->qs + r0 * nb;
+    y += r0 * a->n;
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t b = 0; b < nb; b++) {
         prefetch(q + b * 256, PREFETCH_AHEAD, 4);
@@ -264,7 +266,7 @@ static AVX2 INLINE void q4_row256(const Activations *a, const uint8_t *q, const 
 #pragma GCC unroll 7
             for (int g = 1; g < 8; g++)
                 s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(x4[b * 8 + g])));
-            acc[h] = q4_add256(acc[h], s16, dv, off, nzd, a->sx[b], a->qs[b], a->bx[b]);
+            acc[h] = q4_add256(acc[h], s16, dv, off, nzd, sx[b], qs[b], bx[b]);
         }
     }
     _mm256_storeu_ps(y, acc[0]);
@@ -356,10 +358,12 @@ static AVX2 INLINE void q8_tile256(int R, const Activations *a, int64_t r0, cons
 }
 
 /* AVX2, a lone row: both halves block by block, as q4_row256 */
-static AVX2 INLINE void q8_row256(const Activations *a, const uint8_t *q, const float *d,
-                                  float *y) {
+static AVX2 INLINE void q8_row256(const Activations *a, int64_t r0, const uint8_t *q,
+                                  const float *d, float *y) {
     const int64_t nb = a->k / QK;
-    const int32_t *x4 = (const int32_t *)a->qx;
+    const int32_t *x4 = (const int32_t *)(a->qx + r0 * a->stride);
+    const float *sx = a->sx + r0 * nb;
+    y += r0 * a->n;
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t b = 0; b < nb; b++) {
         prefetch(q + b * 512, PREFETCH_AHEAD, 8);
@@ -375,12 +379,26 @@ static AVX2 INLINE void q8_row256(const Activations *a, const uint8_t *q, const 
                 __m256i xg = _mm256_set1_epi32(x4[b * 8 + g]);
                 s = _mm256_add_epi32(s, q8_group256(w[g], xg, _mm256_abs_epi8(xg)));
             }
-            __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(a->sx[b]));
+            __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(sx[b]));
             acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[h]);
         }
     }
     _mm256_storeu_ps(y, acc[0]);
     _mm256_storeu_ps(y + 8, acc[1]);
+}
+
+/* a pass of R rows of AVX2: a lone row's loop for R = 1 (a call of one row: the even passes
+ * make no group of one otherwise), the half-tiles' for more */
+static AVX2 INLINE void q4_pass256(int R, const Activations *a, int64_t r0, const uint8_t *q,
+                                   const uint16_t *d, const uint16_t *m, float *y) {
+    if (R == 1) q4_row256(a, r0, q, d, m, y);
+    else q4_tile256(R, a, r0, q, d, m, y);
+}
+
+static AVX2 INLINE void q8_pass256(int R, const Activations *a, int64_t r0, const uint8_t *q,
+                                   const float *d, float *y) {
+    if (R == 1) q8_row256(a, r0, q, d, y);
+    else q8_tile256(R, a, r0, q, d, y);
 }
 
 /* ---- every row of output tiles [t0, t1) --------------------------------------------------- */
@@ -427,9 +445,7 @@ static AVX2 void q4_tiles256(const Activations *a, const uint8_t *q, const uint1
                              const uint16_t *m, float *y, int64_t t0, int64_t t1) {
     int64_t nb = a->k / QK;
     for (int64_t t = t0; t < t1; t++)
-        if (a->rows == 1)
-            q4_row256(a, q + t * nb * 256, d + t * nb * TILE, m + t * nb * TILE, y + t * TILE);
-        else ROW_CASES_4(q4_tile256, q + t * nb * 256, d + t * nb * TILE, m + t * nb * TILE, y + t * TILE)
+        ROW_CASES_4(q4_pass256, q + t * nb * 256, d + t * nb * TILE, m + t * nb * TILE, y + t * TILE)
 }
 
 static AVX512 void q8_tiles512(const Activations *a, const uint8_t *q, const float *d, float *y,
@@ -443,8 +459,7 @@ static AVX2 void q8_tiles256(const Activations *a, const uint8_t *q, const float
                              int64_t t0, int64_t t1) {
     int64_t nb = a->k / QK;
     for (int64_t t = t0; t < t1; t++)
-        if (a->rows == 1) q8_row256(a, q + t * nb * 512, d + t * nb * TILE, y + t * TILE);
-        else ROW_CASES_4(q8_tile256, q + t * nb * 512, d + t * nb * TILE, y + t * TILE)
+        ROW_CASES_4(q8_pass256, q + t * nb * 512, d + t * nb * TILE, y + t * TILE)
 }
 
 /* MatMulNBits' 8-bit B [n, k / 32, 32] and scales [n * k / 32] -> the Q8 tiles */
