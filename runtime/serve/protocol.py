@@ -14,6 +14,7 @@ the prompt's token ids by `request.check_request`, the sampling options by `Spec
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 import uuid
@@ -31,12 +32,29 @@ Kind = Literal["chat", "completion"]
 CHAT_ROLES = ("system", "user", "assistant")
 MAX_STOP_STRINGS = 16
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat: what fits
+MAX_TEMPERATURE = 2.0  # OpenAI's range of temperature is [0, 2]
 # OpenAI fields this server cannot honour; a request that sets one to a non-default value is
-# refused rather than silently answered differently
-UNSUPPORTED = {"logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
-               "suffix": (), "presence_penalty": (0,), "frequency_penalty": (0,),
-               "logit_bias": ({},), "tools": ([],), "functions": ([],),
-               "response_format": ({"type": "text"},)}  # name -> the values that mean "unused"
+# refused rather than silently answered differently (name -> the values that mean "unused").
+# In /v1/completions `logprobs` is a count, and 0 still asks for the chosen tokens' logprobs.
+UNSUPPORTED: dict[Kind, dict[str, tuple[Any, ...]]] = {
+    "chat": {"logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0,),
+             "frequency_penalty": (0,), "logit_bias": ({},), "tools": ([],), "functions": ([],),
+             "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
+             "response_format": ({"type": "text"},), "modalities": (["text"],),
+             "audio": (), "prediction": (), "reasoning_effort": (), "web_search_options": ()},
+    "completion": {"logprobs": (), "echo": (False,), "best_of": (1,), "suffix": (),
+                   "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},)},
+}
+# the fields each route honours (besides UNSUPPORTED's at their unused values), and OpenAI's
+# fields that change nothing in the answer; any other field is refused, as OpenAI's API does
+HONOURED: dict[Kind, frozenset[str]] = {
+    "chat": frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "temperature",
+                       "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n"}),
+    "completion": frozenset({"model", "prompt", "max_tokens", "temperature", "top_p", "top_k",
+                             "seed", "stop", "stream", "stream_options", "n"}),
+}
+NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
+                       "prompt_cache_key", "safety_identifier"})
 
 
 class ApiError(Exception):
@@ -101,7 +119,7 @@ def _number(body: dict, name: str, default: float | None) -> float | None:
     if v is None:
         return default
     if not _is_number(v) or not math.isfinite(v):
-        raise invalid(name, f"{name} must be a finite number, got {v!r}")
+        raise invalid(name, f"{name} must be a finite number, got {_show(v)}")
     return float(v)
 
 
@@ -110,7 +128,7 @@ def _integer(body: dict, name: str) -> int | None:
     if v is None:
         return None
     if not is_int(v):
-        raise invalid(name, f"{name} must be an integer, got {v!r}")
+        raise invalid(name, f"{name} must be an integer, got {_show(v)}")
     return int(v)
 
 
@@ -119,26 +137,37 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise invalid(name, f"{name} must be true or false, got {v!r}")
+        raise invalid(name, f"{name} must be true or false, got {_show(v)}")
     return v
 
 
 def _check_model(body: dict, info: ModelInfo) -> None:
     name = body.get("model")
     if name is None:
-        raise invalid("model", f"model is required; this server serves {info.name!r}")
+        raise invalid("model", f"model is required; this server serves {_show(info.name)}")
     if not isinstance(name, str):
-        raise invalid("model", f"model must be a string, got {name!r}")
+        raise invalid("model", f"model must be a string, got {_show(name)}")
     if name != info.name:
-        raise ApiError(404, f"the model {name!r} does not exist; this server serves {info.name!r}",
-                       param="model", code="model_not_found")
+        raise ApiError(404, f"the model {_show(name)} does not exist; this server serves "
+                            f"{_show(info.name)}", param="model", code="model_not_found")
 
 
-def _check_unsupported(body: dict) -> None:
-    for name, defaults in UNSUPPORTED.items():
+def _check_fields(body: dict, kind: Kind) -> None:
+    """Refuse a field this route does not know, and one it cannot honour set to a value that
+    would change the answer."""
+    unsupported = UNSUPPORTED[kind]
+    for name in body:
+        if name in HONOURED[kind] or name in unsupported or name in NO_EFFECT:
+            continue
+        if name == "speculative":
+            raise invalid(name, "speculative is a field of the response, not of a request: the "
+                                "drafter is the server's (ortspec serve --drafter)")
+        raise invalid(name, f"unrecognized request field {_show(name)}; this route takes "
+                            f"{', '.join(sorted(HONOURED[kind]))}")
+    for name, defaults in unsupported.items():
         v = body.get(name)
         if v is not None and v not in defaults:
-            raise invalid(name, f"{name} is not supported by this server (got {_short(v)})")
+            raise invalid(name, f"{name} is not supported by this server (got {_show(v)})")
 
 
 def _sampling(body: dict) -> tuple[float, int | None, float | None, int | None]:
@@ -146,8 +175,13 @@ def _sampling(body: dict) -> tuple[float, int | None, float | None, int | None]:
     for no limit); their ranges are SpeculativeOptions' to check (`_options`)."""
     temperature = _number(body, "temperature", 1.0)
     assert temperature is not None
+    if not 0 <= temperature <= MAX_TEMPERATURE:
+        raise invalid("temperature", f"temperature must be between 0 and {MAX_TEMPERATURE:g}, "
+                                     f"got {_show(body['temperature'])}")
     top_p = _number(body, "top_p", None)
     top_k = _integer(body, "top_k")
+    if top_k is not None and top_k != -1 and top_k < 1:
+        raise invalid("top_k", f"top_k must be -1 (no limit) or an integer >= 1, got {top_k}")
     seed = _integer(body, "seed")
     return (temperature, None if top_k in (None, -1) else top_k,
             None if top_p == 1.0 else top_p, seed)
@@ -191,7 +225,7 @@ def _stop(body: dict) -> tuple[str, ...]:
         return ()
     items = [v] if isinstance(v, str) else v
     if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise invalid("stop", f"stop must be a string or a list of strings, got {v!r}")
+        raise invalid("stop", f"stop must be a string or a list of strings, got {_show(v)}")
     if len(items) > MAX_STOP_STRINGS:
         raise invalid("stop", f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(items)}")
     if any(s == "" for s in items):
@@ -205,7 +239,7 @@ def _stream(body: dict) -> tuple[bool, bool]:
     if opts is None:
         return stream, False
     if not isinstance(opts, dict):
-        raise invalid("stream_options", f"stream_options must be an object, got {opts!r}")
+        raise invalid("stream_options", f"stream_options must be an object, got {_show(opts)}")
     if not stream:
         raise invalid("stream_options", "stream_options is only allowed when stream is true")
     return stream, _bool(opts, "include_usage")
@@ -225,14 +259,17 @@ def _max_tokens(body: dict, prompt_len: int, info: ModelInfo, default: int | Non
     return n
 
 
-def _common(body: Any, info: ModelInfo) -> None:
+def _common(body: Any, info: ModelInfo, kind: Kind) -> None:
     if not isinstance(body, dict):
-        raise invalid(None, f"the request body must be a JSON object, got {type(body).__name__}")
+        kind_of = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+        raise invalid(None, f"the request body must be a JSON object, got "
+                            f"{kind_of.get(type(body), 'a number')}")
     _check_model(body, info)
     n = body.get("n")
     if n is not None and (not is_int(n) or n != 1):
-        raise invalid("n", f"n must be 1 (this server returns one choice per request), got {n!r}")
-    _check_unsupported(body)
+        raise invalid("n", f"n must be 1 (this server returns one choice per request), got "
+                           f"{_show(n)}")
+    _check_fields(body, kind)
 
 
 def _request(kind: Kind, body: dict, ids: list[int], info: ModelInfo,
@@ -254,39 +291,40 @@ def _message_text(i: int, content: Any) -> str:
             if not (isinstance(part, dict) and part.get("type") == "text"
                     and isinstance(part.get("text"), str)):
                 raise invalid(f"messages[{i}].content[{j}]",
-                              f"only text content parts ({{'type': 'text', 'text': ...}}) are "
-                              f"supported, got {part!r}")
+                              f'only text content parts ({{"type": "text", "text": ...}}) are '
+                              f"supported, got {_show(part)}")
             texts.append(part["text"])
         return "".join(texts)
     raise invalid(f"messages[{i}].content",
-                  f"messages[{i}].content must be a string or a list of text parts, got {content!r}")
+                  f"messages[{i}].content must be a string or a list of text parts, got "
+                  f"{_show(content)}")
 
 
 def parse_chat(body: Any, info: ModelInfo) -> GenerationRequest:
     """A /v1/chat/completions body -> a request, the messages rendered with the chat format."""
-    _common(body, info)
+    _common(body, info, "chat")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise invalid("messages", f"messages must be a non-empty list, got {messages!r}")
+        raise invalid("messages", f"messages must be a non-empty list, got {_show(messages)}")
     turns = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise invalid(f"messages[{i}]", f"messages[{i}] must be an object, got {m!r}")
+            raise invalid(f"messages[{i}]", f"messages[{i}] must be an object, got {_show(m)}")
         role = "system" if m.get("role") == "developer" else m.get("role")
         if role not in CHAT_ROLES:
             raise invalid(f"messages[{i}].role", f"messages[{i}].role must be one of "
                                                   f"{', '.join(CHAT_ROLES)} or developer (as "
-                                                  f"system), got {m.get('role')!r}")
+                                                  f"system), got {_show(m.get('role'))}")
         turns.append({"role": role, "content": _message_text(i, m.get("content"))})
     if info.chat_format is None:
-        raise invalid("messages", f"the model {info.name!r} has no chat format; use /v1/completions")
+        raise invalid("messages", f"the model {_show(info.name)} has no chat format; use /v1/completions")
     ids = info.encode(info.chat_format.render(turns))
     return _request("chat", body, ids, info, None)
 
 
 def parse_completion(body: Any, info: ModelInfo) -> GenerationRequest:
     """A /v1/completions body -> a request; the prompt is a string or a list of token ids."""
-    _common(body, info)
+    _common(body, info, "completion")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -298,12 +336,16 @@ def parse_completion(body: Any, info: ModelInfo) -> GenerationRequest:
         ids = prompt  # in the vocabulary: check_request's (_request)
     else:
         raise invalid("prompt", f"prompt must be a string or a non-empty list of token ids (one "
-                                f"prompt per request), got {_short(prompt)}")
+                                f"prompt per request), got {_show(prompt)}")
     return _request("completion", body, ids, info, COMPLETION_DEFAULT_MAX_TOKENS)
 
 
-def _short(v: Any) -> str:
-    r = repr(v)
+def _show(v: Any) -> str:
+    """A request's value as the client wrote it (JSON), cut to 80 characters."""
+    try:
+        r = json.dumps(v, ensure_ascii=False, allow_nan=True)
+    except (TypeError, ValueError):
+        r = repr(v)
     return r if len(r) <= 80 else r[:77] + "..."
 
 

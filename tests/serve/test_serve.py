@@ -72,11 +72,13 @@ def test_completion_defaults_and_token_id_prompts():
 @pytest.mark.parametrize("body, param, words", [
     ([1, 2], None, "JSON object"),
     ({"prompt": "a"}, "model", "required"),
-    ({"model": "m", "prompt": "a", "temperature": -0.5}, "temperature", ">= 0, got -0.5"),
-    ({"model": "m", "prompt": "a", "temperature": "hot"}, "temperature", "number, got 'hot'"),
+    ({"model": "m", "prompt": "a", "temperature": -0.5}, "temperature", "between 0 and 2, got -0.5"),
+    ({"model": "m", "prompt": "a", "temperature": 3}, "temperature", "between 0 and 2, got 3"),
+    ({"model": "m", "prompt": "a", "temperature": "hot"}, "temperature", 'number, got "hot"'),
     ({"model": "m", "prompt": "a", "top_p": 0}, "top_p", "(0, 1], got 0"),
     ({"model": "m", "prompt": "a", "top_p": 1.5}, "top_p", "(0, 1], got 1.5"),
-    ({"model": "m", "prompt": "a", "top_k": 0}, "top_k", ">= 1"),
+    ({"model": "m", "prompt": "a", "top_k": 0}, "top_k", "-1 (no limit) or an integer >= 1, got 0"),
+    ({"model": "m", "prompt": "a", "top_k": -2}, "top_k", "-1 (no limit) or an integer >= 1, got -2"),
     ({"model": "m", "prompt": "a", "n": 2}, "n", "n must be 1"),
     ({"model": "m", "prompt": "a", "max_tokens": 0}, "max_tokens", ">= 1, got 0"),
     ({"model": "m", "prompt": "a", "max_tokens": 70}, "max_tokens", "70, but at most 64"),
@@ -86,6 +88,13 @@ def test_completion_defaults_and_token_id_prompts():
     ({"model": "m", "prompt": "a", "stop": [1]}, "stop", "string or a list of strings"),
     ({"model": "m", "prompt": "a", "stream": "yes"}, "stream", "true or false"),
     ({"model": "m", "prompt": "a", "logprobs": 2}, "logprobs", "not supported"),
+    # a count in /v1/completions: 0 still asks for the chosen tokens' logprobs
+    ({"model": "m", "prompt": "a", "logprobs": 0}, "logprobs", "not supported by this server (got 0)"),
+    ({"model": "m", "prompt": "a", "frobnicate": 1}, "frobnicate",
+     'unrecognized request field "frobnicate"; this route takes max_tokens, model, n, prompt'),
+    ({"model": "m", "prompt": "a", "messages": []}, "messages", "unrecognized"),
+    ({"model": "m", "prompt": "a", "speculative": {"drafter": "none"}}, "speculative",
+     "a field of the response, not of a request"),
     ({"model": "m", "prompt": "a", "stream_options": {"include_usage": True}}, "stream_options",
      "only allowed when stream is true"),
 ])
@@ -97,13 +106,33 @@ def test_bad_completion_requests_name_the_field_and_the_allowed_values(body, par
 
 def test_an_unknown_model_is_404_and_bad_messages_name_their_index():
     e = _error(parse_chat, {"model": "gpt-4", "messages": [{"role": "user", "content": "a"}]})
-    assert (e.status, e.code) == (404, "model_not_found") and "'m'" in e.message
+    assert (e.status, e.code) == (404, "model_not_found") and '"m"' in e.message
     e = _error(parse_chat, {"model": "m", "messages": [{"role": "user", "content": "a"},
                                                        {"role": "tool", "content": "b"}]})
-    assert e.param == "messages[1].role" and "'tool'" in e.message
+    assert e.param == "messages[1].role" and '"tool"' in e.message
     for role in ("system", "developer", "user", "assistant"):  # every role a chat may hold
         assert role in e.message.partition(", got")[0]
     assert _error(parse_chat, {"model": "m", "messages": []}).param == "messages"
+
+
+def test_chat_fields_that_change_nothing_pass_and_unknown_ones_are_refused():
+    chat = {"model": "m", "messages": [{"role": "user", "content": "a"}], "max_tokens": 2}
+    # OpenAI's bookkeeping fields, and unsupported ones at the values that mean "unused"
+    quiet = {"user": "u", "metadata": {"k": "v"}, "store": False, "parallel_tool_calls": True,
+             "logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none",
+             "response_format": {"type": "text"}}
+    assert parse_chat({**chat, **quiet}, FAKE).options.max_new_tokens == 2
+    for field, value, param in [("logprobs", True, "logprobs"), ("tool_choice", "required",
+                                 "tool_choice"), ("echo", True, "echo"), ("prompt", "x", "prompt"),
+                                ("best_of", 1, "best_of"), ("reasoning_effort", "low",
+                                                            "reasoning_effort")]:
+        e = _error(parse_chat, {**chat, field: value})
+        assert (e.status, e.param) == (400, param), (field, e.message)
+    # values appear as the client wrote them (JSON), not as Python prints them
+    e = _error(parse_chat, {**chat, "response_format": {"type": "json_object"}})
+    assert '{"type": "json_object"}' in e.message, e.message
+    e = _error(parse_chat, {**chat, "stop": None, "stream": None, "n": True})
+    assert e.param == "n" and "got true" in e.message, e.message
 
 
 def test_stop_strings_match_across_pieces_and_are_not_emitted():
@@ -345,7 +374,10 @@ def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(serve
     cases = [  # (path, body, status, param, words in the message)
         ("/v1/chat/completions", b"{not json", 400, None, "not valid JSON"),
         ("/v1/chat/completions", {**chat, "messages": "hi"}, 400, "messages", "non-empty list"),
-        ("/v1/chat/completions", {**chat, "temperature": -1}, 400, "temperature", ">= 0"),
+        ("/v1/chat/completions", {**chat, "temperature": -1}, 400, "temperature", "between 0 and 2"),
+        ("/v1/chat/completions", {**chat, "temperature": 3}, 400, "temperature", "between 0 and 2"),
+        ("/v1/chat/completions", {**chat, "speculative": {"drafter": "x"}}, 400, "speculative",
+         "field of the response"),
         ("/v1/chat/completions", {**chat, "top_p": 2}, 400, "top_p", "(0, 1]"),
         ("/v1/chat/completions", {**chat, "n": 3}, 400, "n", "n must be 1"),
         ("/v1/chat/completions", {**chat, "model": "gpt-4"}, 404, "model", "does not exist"),
