@@ -27,10 +27,24 @@ Public API: `export_model`, `add_draft`, `default_model_dir`, `ensure_default_mo
 `default_draft_dir`, `ensure_default_draft`; the CLI is `cli.main`.
 """
 
-from .api import ExportOptionError, add_draft, export_model
-from .defaults import default_draft_dir, default_model_dir, ensure_default_draft, \
-    ensure_default_model
-from .drafts import DraftOptionError
+from typing import Any
 
 __all__ = ["DraftOptionError", "ExportOptionError", "add_draft", "default_draft_dir",
            "default_model_dir", "ensure_default_draft", "ensure_default_model", "export_model"]
+
+
+def __getattr__(name: str) -> Any:
+    """The public API, imported on first use: the package itself imports nothing, so
+    `ortspec export --help` (cli.py) runs where the export extra (onnx, torch, ...) is not
+    installed."""
+    if name in ("ExportOptionError", "add_draft", "export_model"):
+        from . import api
+        return getattr(api, name)
+    if name in ("default_draft_dir", "default_model_dir", "ensure_default_draft",
+                "ensure_default_model"):
+        from . import defaults
+        return getattr(defaults, name)
+    if name == "DraftOptionError":
+        from . import drafts
+        return drafts.DraftOptionError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

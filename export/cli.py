@@ -14,7 +14,6 @@ from ortspec.runtime.errors import OrtspecError
 
 from .graph_spec import ATTENTIONS, DEFAULT_OPSET, DEFAULT_QUANT, HEAD_QUANTS, LM_HEADS, \
     MAX_OPSET, MIN_OPSET, KERNELS, QUANT_SCHEMES, QUANTS
-from .hidden_states import parse_hidden_states
 
 PROG = "ortspec export"
 
@@ -81,8 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --draft-head: int8 stores the head's weights, LM head and "
                         "embedding at 8 bits (0.4x the float32 head's step time)")
     p.add_argument("--no-draft-head", action="store_true",
-                   help="leave out the draft head the package ships for the default model "
-                        "(added to its gqa exports unless --draft-head names another)")
+                   help="leave out the draft head a model recipe ships (its \"draft_head\", added "
+                        "to its gqa exports unless --draft-head names another; no recipe in "
+                        "this package names one yet)")
     p.add_argument("--draft-only", action="store_true",
                    help="add the draft (or with --draft-head the head) to the existing model "
                         "directory OUT (default: where this export would go) instead of "
@@ -105,11 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.source is None and args.dtype is None and args.quant is None:
         args.quant = DEFAULT_QUANT  # the default model at its default precision
     args.dtype = args.dtype or "fp32"
-    try:
+    try:  # the export's own modules need the export extra; the parser above does not
         from .api import export_model
         from .drafts import DRAFTS_DIR, DraftOptions
         from .eagle3_export import HEAD_DIR
-
+        from .hidden_states import parse_hidden_states
+    except ImportError as e:
+        print(f"{PROG}: error: exporting needs the export extra: pip install 'ortspec[export]' "
+              f"({e})", file=sys.stderr)
+        return 2
+    try:
         out = export_model(args.source, out=args.out, capacity=args.capacity,
                            max_verify_len=args.max_verify_len, dtype=args.dtype, opset=args.opset,
                            attention=args.attention,

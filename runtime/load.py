@@ -74,7 +74,9 @@ def load_model(
     choice = choose_providers(providers)  # once: the target's and the draft's sessions
     listed = _listed_draft(root, manifest) if draft is None or draft is True else None
     if draft is True and listed is None:
-        raise InvalidOptionError(f"{root} lists no draft model in its manifest")
+        raise InvalidOptionError(f"{root} lists no draft model in its manifest; add one with "
+                                 f"`ortspec export [SOURCE] --draft-only --draft-quant int4 "
+                                 f"--out {root}` (or name a draft model directory)")
     draft_dir = listed if draft is True else Path(draft) if draft not in (None, False) else None
     draft_manifest = None
     if draft_dir is not None:

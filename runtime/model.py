@@ -407,7 +407,13 @@ class Model:
         back when it ends, fails or is closed. Safe to call from several threads; a drafter or
         policy object passed in serves one request at a time.
         """
-        ids = self.encode(prompt, chat=chat, system=system) if isinstance(prompt, str) else prompt
+        if isinstance(prompt, str):
+            ids = self.encode(prompt, chat=chat, system=system)
+        elif isinstance(prompt, bytes) or not hasattr(prompt, "__iter__"):
+            raise InvalidPromptError(f"the prompt must be a string or a sequence of token ids, "
+                                     f"got {type(prompt).__name__}")
+        else:
+            ids = prompt
         if options is None:
             options = SpeculativeOptions(max_new_tokens=128)
         if isinstance(options, SpeculativeOptions) and not options.stop_token_ids:

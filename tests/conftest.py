@@ -30,14 +30,16 @@ def window_fp32():
 @pytest.fixture(scope="session")
 def model_dir():
     """The default model's fp32 export (exported on first use, cached under models/)."""
-    export = pytest.importorskip("ortspec.export", reason="the export extra makes the default model")
+    pytest.importorskip("onnx", reason="the export extra makes the default model")
+    from ortspec import export
     return export.ensure_default_model("fp32", progress=False)
 
 
 @pytest.fixture(scope="session")
 def int4_model_dir():
     """The default model's int4 export, its native precision."""
-    export = pytest.importorskip("ortspec.export", reason="the export extra makes the model")
+    pytest.importorskip("onnx", reason="the export extra makes the model")
+    from ortspec import export
     return export.ensure_default_model(quant="int4", progress=False)
 
 

@@ -5,10 +5,11 @@
     ortspec bench --methods plain,prompt-lookup,prompt-lookup:k2,prompt-lookup:k4,prompt-lookup:k8
     ortspec bench --anchors genai,hf                # + onnxruntime-genai and HF transformers
 
-Writes `results.md` (tables), `results.json` (every decode, the machine, the command) and
-`speedup.png` / `acceptance.png` into `--out`, and while it runs `partial.jsonl`, each finished
-prompt's records, from which `--resume` goes on after a stop (`checkpoint.py`). The anchors run
-in their own environment (`scripts/setup_anchors.sh`); when it is missing they are reported as
+Writes `results.md` (tables), `results.json` (every decode, the machine, the command) and, with
+the bench extra (matplotlib), `speedup.png` / `acceptance.png` into `--out` (default
+./benchmarks/tmp/latest), and while it runs `partial.jsonl`, each finished prompt's records, from
+which `--resume` goes on after a stop. The anchors run in their own environment (a source
+checkout's `scripts/setup_anchors.sh` makes it); when it is missing they are reported as
 unavailable.
 """
 
@@ -41,7 +42,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     add_model_options(ap)  # --model, --providers, --threads
     ap.add_argument("--draft", help="draft model directory for the draft-model methods")
     ap.add_argument("--questions", help="a Spec-Bench question.jsonl (default: the one packaged with ortspec)")
-    ap.add_argument("--split", default="dev", choices=SPLITS)
+    ap.add_argument("--split", default="dev", choices=SPLITS,
+                    help="Spec-Bench's even ids (dev, the default: tune here), odd ids (heldout) "
+                         "or all")
     ap.add_argument("--per-category", type=int, default=2, help="prompts per category; 0 = all")
     ap.add_argument("--categories", help=f"comma-separated subset of {','.join(CATEGORIES)}, or of "
                                          "Spec-Bench's own categories (writing, coding, ...)")
@@ -55,7 +58,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--max-draft-len", type=int, default=8)
     ap.add_argument("--anchors", default="", help=f"comma-separated subset of {','.join(ANCHORS)}")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="benchmarks/tmp/latest", help="output directory")
+    ap.add_argument("--out", default="benchmarks/tmp/latest",
+                    help="output directory (default benchmarks/tmp/latest, under the current one)")
     ap.add_argument("--resume", action="store_true",
                     help="go on with the run whose partial.jsonl is in --out (the same options): "
                          "measure only the prompts it lacks")
@@ -223,7 +227,9 @@ def write_outputs(out: Path, meta: dict[str, Any], records: list[dict[str, Any]]
     report.write_json(out / "results.json", {**meta, "aggregates": aggs, "records": records})
     plots = report.plot(aggs, out, anchors=anchors, title=title)
     print(table)
-    print(f"wrote {out / 'results.md'}, {out / 'results.json'}" + "".join(f", {p}" for p in plots), file=sys.stderr)
+    print(f"wrote {out / 'results.md'}, {out / 'results.json'}" + "".join(f", {p}" for p in plots)
+          + ("" if plots else " (no plots: pip install 'ortspec[bench]' for matplotlib)"),
+          file=sys.stderr)
 
 
 def reaggregate(directory: str) -> int:

@@ -59,4 +59,5 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model directory (default: the exported default model)")
     p.add_argument("--providers",
                    help="comma-separated, e.g. CUDAExecutionProvider,CPUExecutionProvider")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="onnxruntime's intra-op threads (default: its own choice, the cores)")

@@ -21,6 +21,7 @@ from .args import UserErrorParser, add_model_options, check_drafter_arg, model_a
 from ..drafters import DRAFTER_NAMES, NEEDS_DRAFT_MODEL
 from ..errors import InvalidOptionError, InvalidPromptError, OrtspecError
 from ..validation import check_int
+from .. import __version__
 
 if TYPE_CHECKING:
     from ..decoding.options import SpeculativeOptions
@@ -29,11 +30,16 @@ if TYPE_CHECKING:
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="tokens to generate at most (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (the default): greedy, token for token plain decoding's output; above "
+                        "0: sampled, with exactly the model's distribution")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest tokens")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="sample from the likeliest tokens whose probability sums to p, in (0, 1]")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the sampling (the same seed, the same text)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,22 +133,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = UserErrorParser(prog="ortspec", description="Lossless speculative decoding on ONNX Runtime")
+    ap.add_argument("--version", action="version", version=f"ortspec {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     sub.add_parser("export", help="checkpoint -> ONNX model directory (run `ortspec export -h`)", add_help=False)
 
     g = sub.add_parser("generate", help="decode a prompt, streaming the text")
     add_model_options(g)
-    g.add_argument("--prompt")
-    g.add_argument("--prompt-file")
+    g.add_argument("--prompt", help="the prompt text (or --prompt-file)")
+    g.add_argument("--prompt-file", help="a file holding the prompt text, UTF-8")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     _add_sampling(g)
     g.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES,
                    help="auto (the default): eagle3 where the model lists a draft head, else "
                         "prompt-lookup")
     g.add_argument("--draft", help="draft model directory (default: the one the manifest lists)")
-    g.add_argument("--ngram-size", type=int, default=3)
-    g.add_argument("--max-draft-len", type=int, default=8)
+    g.add_argument("--ngram-size", type=int, default=3,
+                   help="prompt lookup and n-gram drafters: the longest n-gram matched (default 3)")
+    g.add_argument("--max-draft-len", type=int, default=8,
+                   help="tokens a block drafts at most (default 8; 0: no drafting; at most the "
+                        "model's max_verify_len - 1); the cost model chooses up to it")
     g.add_argument("--fixed-draft-len", action="store_true",
                    help="always draft --max-draft-len tokens (no cost model)")
     g.add_argument("--recalibrate", action="store_true",

@@ -18,6 +18,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 
 import uvicorn
 
@@ -40,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                         description="OpenAI-compatible HTTP server (chat and completions)")
     add_model_options(p)
     p.add_argument("--draft", help="draft model directory (default: the one the manifest lists)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--max-concurrent", type=int, default=None,
                    help="requests decoding at once (each holds a KV slot); a model exported "
                         "with --attention window runs them in shared calls, up to its "
@@ -91,11 +92,29 @@ def _check(args: argparse.Namespace) -> None:
                                  f"{args.drafter!r}")
 
 
+def _check_listen(host: str, port: int) -> None:
+    """OrtspecError where host:port cannot be listened on (taken, or not this machine's), found
+    before the model loads rather than after."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise OrtspecError(f"--host {host!r} is not an address of this machine ({e})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise OrtspecError(f"cannot listen on {host}:{port}: {e.strerror or e} (another "
+                               f"server there? choose another --port)") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..load import load_model
 
     args = build_parser().parse_args(argv)
     _check(args)
+    _check_listen(args.host, args.port)
     path = model_arg(args.model, prefer_batched=True)
     check_drafter_arg(args.drafter, path)
     if args.max_concurrent is None:
@@ -129,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
         server.run()
+    except SystemExit:  # uvicorn's own exit where it could not start after all
+        pass
     finally:
         signal.signal(signal.SIGTERM, previous)
     if not server.started:

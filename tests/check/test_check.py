@@ -190,7 +190,8 @@ def test_the_cli_dispatches_to_check(capsys, tmp_path):
 def test_check_passes_on_the_default_model(capsys):
     """The full check, as a user runs it: verify vs step within 1e-4, greedy identity on four
     prompts, six chi-squared tests at N = 20,000 (about 40 s on 2 CPU cores)."""
-    export = pytest.importorskip("ortspec.export", reason="the export extra makes the default model")
+    pytest.importorskip("onnx", reason="the export extra makes the default model")
+    from ortspec import export
     path = export.ensure_default_model("fp32", progress=False)
     rc = check_cli.main(["--model", str(path)])
     out, err = capsys.readouterr()

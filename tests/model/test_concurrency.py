@@ -230,7 +230,8 @@ def test_load_model_refuses_bad_pool_options(tiny_dir):
 
 @pytest.mark.slow
 def test_the_default_model_serves_interleaved_and_threaded_requests_exactly():
-    export = pytest.importorskip("ortspec.export", reason="the export extra makes the default model")
+    pytest.importorskip("onnx", reason="the export extra makes the default model")
+    from ortspec import export
     model = load_model(export.ensure_default_model("fp32", progress=False))
     prompts = ["Write a haiku about the sea.", "List three prime numbers and explain why each is prime.",
                "Rewrite this sentence in the past tense: the cat sits on the mat and the dog sits on the mat.",

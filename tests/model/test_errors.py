@@ -128,6 +128,9 @@ def test_bad_prompts_through_the_model(tiny):
         tiny.generate([])
     with pytest.raises(InvalidPromptError, match=r"token ids must be integers in 0\.\.319"):
         tiny.generate([5, 320])
+    for bad in (123, b"hi", None):  # the model takes text too: the message says so
+        with pytest.raises(InvalidPromptError, match="a string or a sequence of token ids, got"):
+            tiny.generate(bad)
     with pytest.raises(InvalidPromptError, match=r"prompt token 0 is -3"):
         list(tiny.stream([-3, 4]))
     with pytest.raises(InvalidPromptError, match=r"the prompt has 40 tokens; the model's KV capacity is 32"):
@@ -597,7 +600,8 @@ def test_only_ortspec_errors_leave_the_cli_as_one_line(capsys, tiny_dir):
 
 @pytest.fixture(scope="module")
 def real_model():
-    export = pytest.importorskip("ortspec.export", reason="the export extra makes the default model")
+    pytest.importorskip("onnx", reason="the export extra makes the default model")
+    from ortspec import export
     return load_model(export.ensure_default_model("fp32", progress=False))
 
 

@@ -95,6 +95,8 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(wheel, user):
     assert out.startswith("runtime ")
     r = _run([ortspec, "export"], cwd=work, env=env)
     assert r.returncode == 2 and "needs the export extra" in r.stderr, r.stderr
+    r = _run([ortspec, "export", "--help"], cwd=work, env=env)  # the options, without the extra
+    assert r.returncode == 0 and "--quant" in r.stdout and "--attention" in r.stdout, r.stderr
 
     # 2. with the extras: export the default model, generate, a tiny bench
     _ok(_run([*pip, "install", *quiet, TORCH], cwd=work, env=env, timeout=1800), "pip install torch")

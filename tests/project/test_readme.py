@@ -10,7 +10,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_readme_python_examples_run(monkeypatch):
-    export = pytest.importorskip("ortspec.export", reason="the export extra makes the default model")
+    pytest.importorskip("onnx", reason="the export extra makes the default model")
+    from ortspec import export
     export.ensure_default_model(progress=False)
     monkeypatch.chdir(REPO)
     blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(encoding="utf-8"), re.S)

@@ -195,6 +195,27 @@ def test_serve_without_the_extra_names_the_install_command():
     assert p.returncode == 2 and "pip install 'ortspec[serve]'" in p.stderr, p.stderr
 
 
+def test_a_port_in_use_is_one_line_before_the_model_loads(monkeypatch, capsys):
+    import socket
+
+    from ortspec.runtime import load as load_module
+    from ortspec.runtime.cli.main import main
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded before the port was checked")
+
+    monkeypatch.setattr(load_module, "load_model", no_load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", "/nowhere", "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"cannot listen on 127.0.0.1:{port}" in err, err
+    assert main(["serve", "--host", "192.0.2.1", "--port", "0"]) == 2  # not this machine's
+    assert "cannot listen on 192.0.2.1:0" in capsys.readouterr().err
+
+
 def test_ray_options_are_checked_before_anything_loads():
     from ortspec.runtime.cli.main import main
 
