@@ -60,7 +60,7 @@ def _check_generate_args(args: argparse.Namespace) -> tuple[str, GenerateRequest
     from ..request import DrafterSpec, check_request
 
     if args.prompt is None and args.prompt_file is None:
-        raise OrtspecError("give --prompt TEXT or --prompt-file PATH")
+        raise OrtspecError("give --prompt TEXT or --prompt-file PATH (- reads standard input)")
     if args.prompt is not None and args.prompt_file is not None:
         raise OrtspecError("give --prompt TEXT or --prompt-file PATH, not both")
     if args.seed is not None:
@@ -87,6 +87,8 @@ def _check_generate_args(args: argparse.Namespace) -> tuple[str, GenerateRequest
     if args.prompt_file is None:
         return args.prompt, request
     try:
+        if args.prompt_file == "-":
+            return sys.stdin.buffer.read().decode("utf-8"), request
         return Path(args.prompt_file).read_text(encoding="utf-8"), request
     except UnicodeDecodeError as e:
         raise InvalidPromptError(f"--prompt-file {args.prompt_file!r} is not UTF-8 text ({e})") \
@@ -141,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="decode a prompt, streaming the text")
     add_model_options(g)
     g.add_argument("--prompt", help="the prompt text (or --prompt-file)")
-    g.add_argument("--prompt-file", help="a file holding the prompt text, UTF-8")
+    g.add_argument("--prompt-file", help="a file holding the prompt text, UTF-8 (- reads standard "
+                                         "input)")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     _add_sampling(g)
     g.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES,

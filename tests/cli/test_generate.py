@@ -27,3 +27,15 @@ def test_the_summary_line_counts_what_was_drafted(capsys, tiny_dir, drafter, dra
         assert found and int(found[2]) > 0 and int(found[1]) <= int(found[2]), summary
     else:
         assert found is None and "nothing drafted" in summary, summary
+
+
+def test_a_prompt_file_of_dash_is_standard_input(capsys, tiny_dir, monkeypatch):
+    import io
+
+    args = ["generate", "--model", str(tiny_dir), "--max-new-tokens", "6", "--temperature", "0",
+            "--drafter", "none"]
+    assert cli_main([*args, "--prompt", "a b c a b"]) == 0
+    want = capsys.readouterr().out
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("a b c a b".encode())))
+    assert cli_main([*args, "--prompt-file", "-"]) == 0
+    assert capsys.readouterr().out == want
