@@ -27,13 +27,19 @@ Public API: `export_model`, `add_draft`, `default_model_dir`, `ensure_default_mo
 `default_draft_dir`, `ensure_default_draft`; the CLI is `cli.main`.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING as _TYPE_CHECKING, Any as _Any
+
+if _TYPE_CHECKING:
+    from .api import ExportOptionError, add_draft, export_model
+    from .defaults import default_draft_dir, default_model_dir, ensure_default_draft, \
+        ensure_default_model
+    from .drafts import DraftOptionError
 
 __all__ = ["DraftOptionError", "ExportOptionError", "add_draft", "default_draft_dir",
            "default_model_dir", "ensure_default_draft", "ensure_default_model", "export_model"]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     """The public API, imported on first use: the package itself imports nothing, so
     `ortspec export --help` (cli.py) runs where the export extra (onnx, torch, ...) is not
     installed."""
@@ -48,3 +54,7 @@ def __getattr__(name: str) -> Any:
         from . import drafts
         return drafts.DraftOptionError
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

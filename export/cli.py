@@ -111,9 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         from .eagle3_export import HEAD_DIR
         from .hidden_states import parse_hidden_states
     except ImportError as e:
-        print(f"{PROG}: error: exporting needs the export extra: pip install 'ortspec[export]' "
-              f"({e})", file=sys.stderr)
-        return 2
+        return _missing_extra(e)
     try:
         out = export_model(args.source, out=args.out, capacity=args.capacity,
                            max_verify_len=args.max_verify_len, dtype=args.dtype, opset=args.opset,
@@ -129,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OrtspecError, OSError) as e:
         print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except ImportError as e:  # torch and transformers are imported when the checkpoint loads
+        return _missing_extra(e)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; nothing was written", file=sys.stderr)
         return 130
@@ -140,6 +140,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.draft_head is not None:
         print(out / HEAD_DIR)
     return 0
+
+
+# the export extra's packages (pyproject's `export`), whose absence is an install to name
+EXPORT_PACKAGES = {"onnx", "onnxscript", "onnx_ir", "torch", "transformers", "gguf", "accelerate",
+                   "safetensors", "tqdm", "sentencepiece", "huggingface_hub"}
+
+
+def _missing_extra(e: ImportError) -> int:
+    """Exit status 2 naming the extra where `e` is one of its packages missing; else `e`."""
+    if (e.name or "").partition(".")[0] not in EXPORT_PACKAGES:
+        raise e
+    print(f"{PROG}: error: exporting needs the export extra: pip install 'ortspec[export]' "
+          f"({e})", file=sys.stderr)
+    return 2
 
 
 def _one_line(e: BaseException) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -86,16 +87,18 @@ def _check_generate_args(args: argparse.Namespace) -> tuple[str, GenerateRequest
                               choose_providers(providers_arg(args.providers)))
     if args.prompt_file is None:
         return args.prompt, request
+    where = "standard input" if args.prompt_file == "-" else f"--prompt-file {args.prompt_file!r}"
     try:
         if args.prompt_file == "-":
-            return sys.stdin.buffer.read().decode("utf-8"), request
+            if sys.stdin is None:
+                raise OrtspecError("--prompt-file - reads standard input, and there is none")
+            # as read_text reads a file: UTF-8, universal newlines
+            return io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8").read(), request
         return Path(args.prompt_file).read_text(encoding="utf-8"), request
     except UnicodeDecodeError as e:
-        raise InvalidPromptError(f"--prompt-file {args.prompt_file!r} is not UTF-8 text ({e})") \
-            from None
+        raise InvalidPromptError(f"{where} is not UTF-8 text ({e})") from None
     except OSError as e:
-        raise OrtspecError(f"cannot read --prompt-file {args.prompt_file!r}: "
-                           f"{e.strerror or e}") from None
+        raise OrtspecError(f"cannot read {where}: {e.strerror or e}") from None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

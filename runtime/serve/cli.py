@@ -15,6 +15,7 @@ copies, each loading the model, behind Ray Serve's HTTP proxy on --host/--port.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
@@ -93,20 +94,37 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _check_listen(host: str, port: int) -> None:
-    """OrtspecError where host:port cannot be listened on (taken, or not this machine's), found
-    before the model loads rather than after."""
+    """OrtspecError where uvicorn could not listen on host:port (taken, not this machine's, or
+    not allowed), found before the model loads rather than after. Binds as asyncio's
+    create_server does: every address the host names ("" for all), IPv6 sockets IPv6 only,
+    SO_REUSEADDR on POSIX, an address family the machine lacks skipped."""
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise OrtspecError(f"--host {host!r} is not an address of this machine ({e})") from None
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            s.bind(address)
-        except OSError as e:
-            raise OrtspecError(f"cannot listen on {host}:{port}: {e.strerror or e} (another "
-                               f"server there? choose another --port)") from None
+    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    failures = []
+    for family, kind, proto, _, address in dict.fromkeys(
+            (i[0], i[1], i[2], "", i[4]) for i in infos):
+        with socket.socket(family, kind, proto) as s:
+            if os.name == "posix":
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRNOTAVAIL:
+                    failures.append(e)
+                    continue
+                hint = {errno.EADDRINUSE: "another server is there; choose another --port",
+                        errno.EACCES: "not allowed for this user; choose a --port above 1023"}
+                raise OrtspecError(f"cannot listen on {shown}: {e.strerror or e} "
+                                   f"({hint.get(e.errno, 'see --host and --port')})") from None
+    if failures and len(failures) == len(set(i[4] for i in infos)):
+        raise OrtspecError(f"cannot listen on {shown}: {failures[0].strerror or failures[0]} "
+                           f"(not an address of this machine; choose another --host)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,14 +132,14 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     _check(args)
-    _check_listen(args.host, args.port)
     path = model_arg(args.model, prefer_batched=True)
     check_drafter_arg(args.drafter, path)
     if args.max_concurrent is None:
         args.max_concurrent = default_max_concurrent(path)
     needs_draft = args.drafter in NEEDS_DRAFT_MODEL
-    if args.ray:
+    if args.ray:  # Ray Serve's proxy listens, maybe on another node, maybe already running
         return _serve_on_ray(args, path, needs_draft)
+    _check_listen(args.host, args.port)
     # the cost curve read or measured now, not in a request
     model = load_model(path, providers=providers_arg(args.providers), threads=args.threads,
                        draft=(args.draft or True) if needs_draft else None,

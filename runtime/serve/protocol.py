@@ -36,14 +36,18 @@ MAX_TEMPERATURE = 2.0  # OpenAI's range of temperature is [0, 2]
 # OpenAI fields this server cannot honour; a request that sets one to a non-default value is
 # refused rather than silently answered differently (name -> the values that mean "unused").
 # In /v1/completions `logprobs` is a count, and 0 still asks for the chosen tokens' logprobs.
+_EXTENSIONS = {"ignore_eos": (False,), "min_tokens": (0,), "min_p": (0,),
+               "repetition_penalty": (1,)}  # vLLM's and llama.cpp's, which load tools send
 UNSUPPORTED: dict[Kind, dict[str, tuple[Any, ...]]] = {
     "chat": {"logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0,),
              "frequency_penalty": (0,), "logit_bias": ({},), "tools": ([],), "functions": ([],),
              "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
              "response_format": ({"type": "text"},), "modalities": (["text"],),
-             "audio": (), "prediction": (), "reasoning_effort": (), "web_search_options": ()},
+             "verbosity": ("medium",), "audio": (), "prediction": (), "reasoning_effort": (),
+             "web_search_options": (), "chat_template_kwargs": ({},), **_EXTENSIONS},
     "completion": {"logprobs": (), "echo": (False,), "best_of": (1,), "suffix": (),
-                   "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},)},
+                   "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+                   **_EXTENSIONS},
 }
 # the fields each route honours (besides UNSUPPORTED's at their unused values), and OpenAI's
 # fields that change nothing in the answer; any other field is refused, as OpenAI's API does
@@ -54,7 +58,7 @@ HONOURED: dict[Kind, frozenset[str]] = {
                              "seed", "stop", "stream", "stream_options", "n"}),
 }
 NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
-                       "prompt_cache_key", "safety_identifier"})
+                       "prompt_cache_key", "prompt_cache_retention", "safety_identifier"})
 
 
 class ApiError(Exception):
@@ -166,13 +170,16 @@ def _check_fields(body: dict, kind: Kind) -> None:
                             f"{', '.join(sorted(HONOURED[kind]))}")
     for name, defaults in unsupported.items():
         v = body.get(name)
-        if v is not None and v not in defaults:
+        # as JSON compares: false is not 0
+        if v is not None and not any(v == d and isinstance(v, bool) == isinstance(d, bool)
+                                     for d in defaults):
             raise invalid(name, f"{name} is not supported by this server (got {_show(v)})")
 
 
 def _sampling(body: dict) -> tuple[float, int | None, float | None, int | None]:
     """The sampling fields in OpenAI's meaning (temperature 1 by default, top_k -1 and top_p 1
-    for no limit); their ranges are SpeculativeOptions' to check (`_options`)."""
+    for no limit): temperature's range (OpenAI's) and top_k's -1 checked here, the rest by
+    SpeculativeOptions (`_options`)."""
     temperature = _number(body, "temperature", 1.0)
     assert temperature is not None
     if not 0 <= temperature <= MAX_TEMPERATURE:

@@ -39,3 +39,6 @@ def test_a_prompt_file_of_dash_is_standard_input(capsys, tiny_dir, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("a b c a b".encode())))
     assert cli_main([*args, "--prompt-file", "-"]) == 0
     assert capsys.readouterr().out == want
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"a b \xff")))
+    assert cli_main([*args, "--prompt-file", "-"]) == 2
+    assert "standard input is not UTF-8 text" in capsys.readouterr().err

@@ -120,12 +120,17 @@ def test_chat_fields_that_change_nothing_pass_and_unknown_ones_are_refused():
     # OpenAI's bookkeeping fields, and unsupported ones at the values that mean "unused"
     quiet = {"user": "u", "metadata": {"k": "v"}, "store": False, "parallel_tool_calls": True,
              "logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none",
-             "response_format": {"type": "text"}}
+             "response_format": {"type": "text"}, "verbosity": "medium",
+             "prompt_cache_retention": "24h", "ignore_eos": False, "min_tokens": 0, "min_p": 0.0,
+             "repetition_penalty": 1.0, "chat_template_kwargs": {}}
     assert parse_chat({**chat, **quiet}, FAKE).options.max_new_tokens == 2
     for field, value, param in [("logprobs", True, "logprobs"), ("tool_choice", "required",
                                  "tool_choice"), ("echo", True, "echo"), ("prompt", "x", "prompt"),
                                 ("best_of", 1, "best_of"), ("reasoning_effort", "low",
-                                                            "reasoning_effort")]:
+                                                            "reasoning_effort"),
+                                ("ignore_eos", True, "ignore_eos"), ("min_tokens", 8, "min_tokens"),
+                                ("logprobs", 0, "logprobs"), ("top_logprobs", False,
+                                                              "top_logprobs")]:
         e = _error(parse_chat, {**chat, field: value})
         assert (e.status, e.param) == (400, param), (field, e.message)
     # values appear as the client wrote them (JSON), not as Python prints them
@@ -195,9 +200,10 @@ def test_serve_without_the_extra_names_the_install_command():
     assert p.returncode == 2 and "pip install 'ortspec[serve]'" in p.stderr, p.stderr
 
 
-def test_a_port_in_use_is_one_line_before_the_model_loads(monkeypatch, capsys):
+def test_a_port_in_use_is_one_line_before_the_model_loads(monkeypatch, capsys, tmp_path):
     import socket
 
+    from helpers.export import write_graph_dir
     from ortspec.runtime import load as load_module
     from ortspec.runtime.cli.main import main
 
@@ -205,15 +211,18 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(monkeypatch, capsys):
         raise AssertionError("the model loaded before the port was checked")
 
     monkeypatch.setattr(load_module, "load_model", no_load)
+    model = ["serve", "--model", str(write_graph_dir(tmp_path / "m")), "--drafter", "none"]
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert main(["serve", "--model", "/nowhere", "--port", str(port)]) == 2
+        assert main([*model, "--port", str(port)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and f"cannot listen on 127.0.0.1:{port}" in err, err
-    assert main(["serve", "--host", "192.0.2.1", "--port", "0"]) == 2  # not this machine's
-    assert "cannot listen on 192.0.2.1:0" in capsys.readouterr().err
+    assert "choose another --port" in err, err
+    assert main([*model, "--host", "192.0.2.1", "--port", "0"]) == 2  # not this machine's
+    err = capsys.readouterr().err
+    assert "cannot listen on 192.0.2.1:0" in err and "choose another --host" in err, err
 
 
 def test_ray_options_are_checked_before_anything_loads():
