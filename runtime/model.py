@@ -39,7 +39,7 @@ from .batching.backend import OrtBatchBackend
 from .batching.rows import BatchRow
 from .batching.runner import BatchRunner
 from .batching.prefix_cache import DEFAULT_PREFIX_CACHE_MIB, MIB, SharedPrefixCache
-from .decoding.options import SpeculativeDecodeResult, SpeculativeOptions
+from .decoding.options import SpeculativeDecodeResult, SpeculativeOptions, is_token_sequence
 from .draft_length.policy import AdaptiveDraftLength
 from .drafters import NEEDS_DRAFT_HEAD, NEEDS_DRAFT_MODEL
 from .drafters.composite import CostAwareDrafter
@@ -409,7 +409,7 @@ class Model:
         """
         if isinstance(prompt, str):
             ids = self.encode(prompt, chat=chat, system=system)
-        elif isinstance(prompt, bytes) or not hasattr(prompt, "__iter__"):
+        elif not is_token_sequence(prompt):
             raise InvalidPromptError(f"the prompt must be a string or a sequence of token ids, "
                                      f"got {type(prompt).__name__}")
         else:

@@ -63,10 +63,15 @@ def check_options(options: object) -> SpeculativeOptions:
     return options
 
 
+def is_token_sequence(prompt: object) -> bool:
+    """Whether `prompt` can be a sequence of token ids: iterable, and not text or bytes."""
+    return not isinstance(prompt, (str, bytes)) and hasattr(prompt, "__iter__")
+
+
 def check_prompt(prompt: Sequence[int], *, vocab_size: int, capacity: int) -> list[int]:
     """The prompt as a list of ints, or InvalidPromptError: a non-empty sequence of token ids in
     0..vocab_size-1, at most `capacity` of them (the error says which token, or the length)."""
-    if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
+    if not is_token_sequence(prompt):
         raise InvalidPromptError(f"the prompt must be a sequence of token ids, got {type(prompt).__name__}")
     prompt = list(prompt)
     if not prompt:

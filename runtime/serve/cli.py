@@ -104,9 +104,9 @@ def _check_listen(host: str, port: int) -> None:
     except socket.gaierror as e:
         raise OrtspecError(f"--host {host!r} is not an address of this machine ({e})") from None
     shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    binds = list(dict.fromkeys((i[0], i[1], i[2], i[4]) for i in infos))  # (no duplicates)
     failures = []
-    for family, kind, proto, _, address in dict.fromkeys(
-            (i[0], i[1], i[2], "", i[4]) for i in infos):
+    for family, kind, proto, address in binds:
         with socket.socket(family, kind, proto) as s:
             if os.name == "posix":
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -122,7 +122,7 @@ def _check_listen(host: str, port: int) -> None:
                         errno.EACCES: "not allowed for this user; choose a --port above 1023"}
                 raise OrtspecError(f"cannot listen on {shown}: {e.strerror or e} "
                                    f"({hint.get(e.errno, 'see --host and --port')})") from None
-    if failures and len(failures) == len(set(i[4] for i in infos)):
+    if failures and len(failures) == len(binds):
         raise OrtspecError(f"cannot listen on {shown}: {failures[0].strerror or failures[0]} "
                            f"(not an address of this machine; choose another --host)")
 
