@@ -127,18 +127,26 @@ def _one_request(client, name: str, prompt: str, max_tokens: int, *, stream: boo
 
 def run_batch(url: str, name: str, prompts: list[str], concurrency: int, n_requests: int,
               max_tokens: int, offset: int = 0, indices: list[int] | None = None) -> dict:
-    """`n_requests` requests from `concurrency` client threads: wall time, and per request its
-    latency, time to first text, prompt (index into `prompts`) and completion text. The
-    prompts are those from `offset` on, in turn, or the `indices` given."""
+    """`n_requests` requests from `concurrency` client threads, each sending its next request
+    as soon as its last one is answered, the next of the batch's list (a closed loop of
+    `concurrency` users sharing one queue, so a client with short answers takes more of them):
+    wall time, and per request its latency, time to first text, prompt (index into `prompts`)
+    and completion text. The prompts are those from `offset` on, in turn, or the `indices`
+    given."""
     jobs = [(offset + i) % len(prompts) for i in range(n_requests)] if indices is None \
         else list(indices)
     results: list[tuple[int, tuple[float, float, int, str]]] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
+    queue = iter(range(len(jobs)))
 
-    def worker(k: int) -> None:
+    def worker() -> None:
         client = _client(url)
-        for i in range(k, len(jobs), concurrency):
+        while not errors:
+            with lock:
+                i = next(queue, None)
+            if i is None:
+                return
             try:
                 r = _one_request(client, name, prompts[jobs[i]], max_tokens)
             except BaseException as e:  # noqa: BLE001 - reported by the caller
@@ -148,7 +156,7 @@ def run_batch(url: str, name: str, prompts: list[str], concurrency: int, n_reque
                 results.append((jobs[i], r))
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(concurrency)]
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:

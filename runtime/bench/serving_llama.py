@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 import tempfile
 import time
@@ -45,7 +44,7 @@ from .llama_cpp import LlamaCppMissing, find_llama_cpp, ngram_flags, requantized
     server_command
 from .server import ServerError, ServerProcess, free_port, ortspec_serve
 from .serving import run_batch
-from .serving_report import identical, summarise
+from .serving_report import identical, paired_ratio, paired_text, summarise
 
 VERSIONS = ("ortspec", "onnxruntime", "openai", "httpx")
 
@@ -90,13 +89,13 @@ def stability(batches: dict[tuple[str, int], list[dict]], systems: list[str],
 
 
 def paired(batches: dict[tuple[str, int], list[dict]], systems: list[str],
-           levels: list[int]) -> dict[str, dict[int, float]]:
-    """Per system after the first and level: the geometric mean over rounds of its tok/s over
-    the first system's in the same round (the two batches ran one after the other, on the same
-    prompts): a machine whose speed drifts between rounds moves both alike, where the ratio of
-    the medians mixes rounds."""
+           levels: list[int]) -> dict[str, dict[int, dict]]:
+    """Per system after the first and level: `paired_ratio` of its tok/s over the first
+    system's in the same round (the two batches ran one after the other, on the same prompts):
+    the geometric mean over rounds and its 95% interval. A machine whose speed drifts between
+    rounds moves both alike, where the ratio of the medians mixes rounds."""
     base = systems[0]
-    out: dict[str, dict[int, float]] = {}
+    out: dict[str, dict[int, dict]] = {}
     for s in systems[1:]:
         out[s] = {}
         for c in levels:
@@ -104,7 +103,7 @@ def paired(batches: dict[tuple[str, int], list[dict]], systems: list[str],
                       for a, b in zip(batches[base, c], batches[s, c])
                       if a["tokens"] > 0 and b["tokens"] > 0]  # (a round with no text: skipped)
             if ratios:
-                out[s][c] = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+                out[s][c] = paired_ratio(ratios)
     return out
 
 
@@ -133,12 +132,12 @@ def table(results: dict) -> str:
     def ratio(s: str, c: int) -> str:
         text = f"c={c} {tok_s(s, c) / tok_s(base, c):.2f}x"
         if str(c) in pairs.get(s, {}):  # (JSON keys are strings)
-            text += f" (paired {pairs[s][str(c)]:.2f}x)"
+            text += f" (paired {paired_text(pairs[s][str(c)])})"
         return text
 
     ratios = [f"{s}: " + ", ".join(ratio(s, c) for c in levels) for s in results["systems"][1:]]
     return ("\n".join(lines) + f"\n\nAgainst {base} (ratio of the medians; paired: the geometric "
-            f"mean of each round's ratio): " + "; ".join(ratios) + "\n")
+            f"mean of each round's ratio, with its 95% interval where there are rounds enough): " + "; ".join(ratios) + "\n")
 
 
 def _systems(args, model_dir: Path) -> tuple[list[System], list[str]]:

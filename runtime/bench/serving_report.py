@@ -1,9 +1,11 @@
 """The record of a serving benchmark (`serving.py`), from its raw batches to its findings:
 throughput and latency per configuration, every output against its serial run, requests per
-batched call from `ortspec:batch_rows`, its checks (throughput at c=8 over c=1, speculative over plain at c=4, identical outputs), the markdown tables and the plot."""
+batched call from `ortspec:batch_rows`, its checks (throughput at c=8 over c=1, speculative over plain at every level with a 95% interval
+from the rounds' paired ratios, identical outputs), the markdown tables and the plot."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 
@@ -17,6 +19,50 @@ def percentile(values: list[float], q: float) -> float:
     round(q / 100 * (n - 1)), no interpolation."""
     values = sorted(values)
     return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
+
+
+# Student's t distribution's 0.975 quantile by degrees of freedom 1..30 (standard tables); past
+# 30, the normal's 1.96
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+        2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+        2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def paired_ratio(ratios: list[float]) -> dict:
+    """The geometric mean of per-round ratios (each a system's tok/s over another's in the same
+    round, the two batches run one after the other) and its 95% confidence interval: a t
+    interval on the logs, which the rounds' spread sets. On a machine whose speed drifts from
+    minute to minute, a ratio is only shown above (or below) 1 when the whole interval is.
+    `ratios`: positive, at least one (one round: no interval, its bounds None)."""
+    if not ratios or min(ratios) <= 0:
+        raise ValueError(f"paired ratios must be positive and at least one, got {ratios}")
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    out = {"geomean": math.exp(mean), "rounds": len(ratios), "low": None, "high": None}
+    if len(logs) > 1:
+        df = len(logs) - 1
+        half = (T975[df - 1] if df <= len(T975) else 1.96) * statistics.stdev(logs) / \
+            math.sqrt(len(logs))
+        out["low"], out["high"] = math.exp(mean - half), math.exp(mean + half)
+    return out
+
+
+def paired_verdict(p: dict) -> str:
+    """"above 1", "below 1" or "not distinguishable from 1" at 95%, from `paired_ratio`."""
+    if p["low"] is None:
+        return "one round: no interval"
+    if p["low"] > 1:
+        return "above 1"
+    if p["high"] < 1:
+        return "below 1"
+    return "not distinguishable from 1"
+
+
+def paired_text(p: dict) -> str:
+    """`paired_ratio` as text: "1.06x (95% 0.98-1.15)"."""
+    if p["low"] is None:
+        return f"{p['geomean']:.2f}x"
+    return f"{p['geomean']:.2f}x (95% {p['low']:.2f}-{p['high']:.2f})"
 
 
 def summarise(batches: list[dict]) -> dict:
@@ -115,8 +161,9 @@ def rows_summary(h: dict | None) -> dict | None:
 
 def checks(res: dict) -> dict:
     """From the measured data: throughput at c=8 over c=1 per drafter, speculative over plain
-    at c=4 (median of rounds, and the range of the same ratio round by round), and whether every
-    output was identical to its serial run."""
+    at c=4 (median of rounds, and the range of the same ratio round by round), speculative over
+    plain at every level as `paired_ratio` of the rounds, and whether every output was
+    identical to its serial run."""
     by = {(r["drafter"], r["concurrency"]): r for r in res["levels"]}
     drafters = res["config"]["drafters"]
     plain = "none" if "none" in drafters else None
@@ -125,7 +172,8 @@ def checks(res: dict) -> dict:
         per_round = [(x["tokens"] / x["wall_s"]) / (y["tokens"] / y["wall_s"])
                      for x, y in zip(a["rounds"], b["rounds"])]
         return {"ratio": a["tok_s_median"] / b["tok_s_median"],
-                "per_round_min": min(per_round), "per_round_max": max(per_round)}
+                "per_round_min": min(per_round), "per_round_max": max(per_round),
+                "per_round": per_round}
 
     out: dict = {"scaling_c8_over_c1": {}, "target_scaling": 3.0}
     for d in drafters:
@@ -133,6 +181,10 @@ def checks(res: dict) -> dict:
             out["scaling_c8_over_c1"][d] = ratio(by[d, 8], by[d, 1])
     out["spec_over_plain_c4"] = {d: ratio(by[d, 4], by[plain, 4]) for d in drafters
                                  if plain and d != plain and (d, 4) in by and (plain, 4) in by}
+    out["spec_over_plain_paired"] = {
+        d: {str(c): paired_ratio(ratio(by[d, c], by[plain, c])["per_round"])
+            for c in res["config"]["concurrency"] if (d, c) in by and (plain, c) in by}
+        for d in drafters if plain and d != plain}
     ident = res.get("identical")
     if ident:
         out["identical_to_serial"] = [ident["identical_to_serial"], ident["requests"]]
@@ -255,6 +307,11 @@ def markdown(res: dict) -> str:
             lines.append(f"- {d} / plain throughput at c=4 = **{v['ratio']:.2f}x** "
                          f"({v['per_round_min']:.2f}-{v['per_round_max']:.2f}); speculative "
                          f"{ok} plain")
+        for d, by_level in ch.get("spec_over_plain_paired", {}).items():
+            cells = [f"c={c} **{paired_text(p)}**, {paired_verdict(p)}"
+                     for c, p in by_level.items()]
+            lines.append(f"- {d} / plain, paired (geometric mean of the rounds' ratios, 95% "
+                         f"interval): " + "; ".join(cells))
         if "identical_to_serial" in ch:
             k, n = ch["identical_to_serial"]
             kb, _ = ch["identical_to_plain_serial"]

@@ -51,6 +51,11 @@ def test_the_serving_benchmark_records_batched_calls_and_serial_outputs(tiny_win
     assert shared["calls"] > 0 and shared["mean_rows"] > 1.0
     assert sum(n for k, n in shared["calls_by_rows"].items() if k != "1") > 0
     assert res["checks"]["spec_over_plain_c4"]["prompt-lookup"]["ratio"] > 0
+    paired = res["checks"]["spec_over_plain_paired"]["prompt-lookup"]
+    assert set(paired) == {"1", "4"}
+    for p in paired.values():
+        assert p["rounds"] == 2 and p["low"] <= p["geomean"] <= p["high"]
+    assert "prompt-lookup / plain, paired" in (out / "results.md").read_text()
 
 
 def test_distinct_prompts_send_each_prompt_once_and_check_them_against_a_serial_pass(

@@ -137,14 +137,17 @@ def test_paired_ratios_are_the_geometric_mean_of_each_rounds_ratio():
     batches = {("ours", 1): [timed(10, 1.0), timed(40, 1.0)],
                ("peer", 1): [timed(15, 1.0), timed(20, 1.0)]}
     got = paired(batches, ["ours", "peer"], [1])
-    assert got["peer"][1] == pytest.approx((1.5 * 0.5) ** 0.5)
+    assert got["peer"][1]["geomean"] == pytest.approx((1.5 * 0.5) ** 0.5)
+    assert got["peer"][1]["rounds"] == 2 and got["peer"][1]["low"] < 1 < got["peer"][1]["high"]
     empty = {k: v + [timed(0, 1.0)] for k, v in batches.items()}  # a round that wrote nothing
     assert paired(empty, ["ours", "peer"], [1]) == got
     results = {"levels": [1], "systems": ["ours", "peer"],
                "summary": {f"{s}/1": summarise(batches[s, 1]) for s in ("ours", "peer")},
                "stability": stability(batches, ["ours", "peer"], [1]),
                "paired": {"peer": {"1": got["peer"][1]}}}
-    assert f"c=1 {17.5 / 25.0:.2f}x (paired {(0.75) ** 0.5:.2f}x)" in table(results)
+    p = got["peer"][1]
+    assert (f"c=1 {17.5 / 25.0:.2f}x (paired {(0.75) ** 0.5:.2f}x "
+            f"(95% {p['low']:.2f}-{p['high']:.2f}))") in table(results)
 
 
 
@@ -316,3 +319,32 @@ def test_the_serving_comparison_refuses_to_run_a_default_model_that_does_not_bat
     (batched / "manifest.json").write_text("{}")
     assert served_model(None) == batched
     assert served_model(str(plain)) == plain
+
+
+def test_paired_ratio_is_a_t_interval_on_the_logs_of_the_rounds_ratios():
+    import math
+    import statistics
+
+    from ortspec.runtime.bench.serving_report import paired_ratio, paired_text, paired_verdict
+
+    ratios = [1.10, 0.90, 1.20]
+    logs = [math.log(r) for r in ratios]
+    half = 4.303 * statistics.stdev(logs) / math.sqrt(3)  # t(0.975, 2 degrees of freedom)
+    got = paired_ratio(ratios)
+    assert got["geomean"] == pytest.approx(math.exp(statistics.fmean(logs)))
+    assert got["low"] == pytest.approx(math.exp(statistics.fmean(logs) - half))
+    assert got["high"] == pytest.approx(math.exp(statistics.fmean(logs) + half))
+    assert got["rounds"] == 3 and paired_verdict(got) == "not distinguishable from 1"
+    # rounds that agree: a narrow interval, on one side of 1
+    above = paired_ratio([1.10, 1.12, 1.11, 1.09])
+    assert 1 < above["low"] < above["geomean"] < above["high"] < 1.13
+    assert paired_verdict(above) == "above 1"
+    assert paired_verdict(paired_ratio([0.90, 0.91, 0.89])) == "below 1"
+    same = paired_ratio([1.05, 1.05])
+    assert same["low"] == pytest.approx(1.05) and same["high"] == pytest.approx(1.05)
+    one = paired_ratio([1.3])
+    assert one["low"] is None and paired_verdict(one) == "one round: no interval"
+    assert paired_text(one) == "1.30x" and paired_text(above).startswith("1.10x (95% ")
+    for bad in ([], [1.0, 0.0], [-1.0]):
+        with pytest.raises(ValueError, match="positive"):
+            paired_ratio(bad)
