@@ -65,10 +65,13 @@ class BatchJob:
 
 @dataclasses.dataclass
 class BatchStats:
-    """What the runner did: calls by rows and by S (for /metrics and benchmarks)."""
+    """What the runner did: calls by rows and by S, and the seconds its calls took (for /metrics
+    and benchmarks)."""
 
     calls: int = 0
     prefill_calls: int = 0
+    decode_seconds: float = 0.0  # in the backend's decode calls
+    prefill_seconds: float = 0.0  # ... and its prefill calls (prompt chunks read)
     padded_rows: int = 0  # rows carried along without a job
     prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hit_tokens: int = 0  # ... and found there (copied, not computed)
@@ -82,6 +85,21 @@ class BatchStats:
             self.rows[rows] += 1
             self.widths[width] += 1
             self.padded_rows += padded
+
+    def record_seconds(self, *, prefill: bool, seconds: float) -> None:
+        """A backend call took `seconds`: a prefill call (counted here) or a decode call
+        (counted by `record`)."""
+        with self._lock:
+            if prefill:
+                self.prefill_calls += 1
+                self.prefill_seconds += seconds
+            else:
+                self.decode_seconds += seconds
+
+    def seconds_snapshot(self) -> tuple[int, float, int, float]:
+        """(decode calls, their seconds, prefill calls, their seconds)."""
+        with self._lock:
+            return self.calls, self.decode_seconds, self.prefill_calls, self.prefill_seconds
 
     def record_prefix(self, *, queried: int, hit: int) -> None:
         with self._lock:

@@ -308,13 +308,14 @@ class BatchRunner:
             real.append(r * s + np.arange(n))
             take.append(real[-1] if job.keep_all else real[-1][-1:])
         try:
+            t0 = time.perf_counter()
             logits = self.backend.run(lo, hi, ids, lengths, take=np.concatenate(take),
                                       real=np.concatenate(real))
+            self.stats.record_seconds(prefill=True, seconds=time.perf_counter() - t0)
         except BaseException as e:  # noqa: BLE001 - handed to the rows' threads
             for job, _ in plan:
                 self._fail_prefill(job, e)
             return
-        self.stats.prefill_calls += 1
         hidden = self._hidden()
         first = 0
         for (job, n), rows in zip(plan, take, strict=True):
@@ -418,6 +419,7 @@ class BatchRunner:
             logits = self.backend.run(0, hi, ids, lengths, take=take, real=take)
             seconds = time.perf_counter() - t0
             self._call_seconds += CALL_ALPHA * (seconds - self._call_seconds)
+            self.stats.record_seconds(prefill=False, seconds=seconds)
         except BaseException as e:  # noqa: BLE001 - every job of the call gets the error
             for job in jobs:
                 job.error = e

@@ -63,7 +63,7 @@ from pathlib import Path
 from . import provenance
 from .server import ServerError, ServerProcess, free_port, http_get, ortspec_serve
 from .serving_report import checks, identical, markdown, markdown_name, plot, rows_delta, \
-    rows_summary, summarise
+    rows_summary, seconds_delta, summarise, time_shares
 
 # what the record lists the versions of: the server's stack and the client's
 VERSIONS = ("ortspec", "onnxruntime", "tokenizers", "numpy", "fastapi", "starlette", "uvicorn",
@@ -184,6 +184,16 @@ def scrape_prefix_cache(url: str) -> dict | None:
         if family.name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits"):
             found[family.name.rpartition("_")[2]] = int(family.samples[0].value)
     return found or None
+
+
+def scrape_call_seconds(url: str) -> dict | None:
+    """`ortspec:batch_call_seconds_total` from the server's /metrics: the seconds its batched
+    model calls took so far, by kind ("prefill", "decode"); None if the server does not batch."""
+    for family in _metric_families(url):
+        if family.name == "ortspec:batch_call_seconds":
+            return {s.labels["kind"]: float(s.value) for s in family.samples
+                    if s.name.endswith("_total")}
+    return None
 
 
 def scrape_batch_rows(url: str) -> dict | None:
@@ -363,10 +373,11 @@ def main(argv: list[str] | None = None) -> int:
             order = list(batches)
             rng.shuffle(order)
             for d, c in order:
-                before = scrape_batch_rows(urls[d])
+                before, seconds_before = scrape_batch_rows(urls[d]), scrape_call_seconds(urls[d])
                 b = run_batch(urls[d], name, prompts, c, args.requests, args.max_tokens,
                               offset=rnd, indices=batch_prompts(rnd, c))
                 b["batch_rows"] = rows_delta(before, scrape_batch_rows(urls[d]))
+                b["call_seconds"] = seconds_delta(seconds_before, scrape_call_seconds(urls[d]))
                 batches[d, c].append(b)
                 rows = b["batch_rows"]
                 mean = (f", {rows['sum'] / rows['count']:.2f} rows/call"
@@ -384,7 +395,9 @@ def main(argv: list[str] | None = None) -> int:
                                 for k in deltas[0]["buckets"]},
                     "count": sum(x["count"] for x in deltas), "sum": sum(x["sum"] for x in deltas)}
                 levels_out.append({"drafter": d, "concurrency": c, **summarise(batches[d, c]),
-                                   "batch_rows": rows_summary(rows), "rounds": batches[d, c]})
+                                   "batch_rows": rows_summary(rows),
+                                   "model_time": time_shares(batches[d, c]),
+                                   "rounds": batches[d, c]})
         batch_rows = {d: rows_summary(scrape_batch_rows(urls[d])) for d in drafters}
         prefix_cache = {d: scrape_prefix_cache(urls[d]) for d in drafters}
         serial_pass = {}  # --distinct-prompts: the serial texts of prompts sent only concurrently

@@ -140,6 +140,27 @@ def rows_delta(before: dict | None, after: dict | None) -> dict | None:
             "count": after["count"] - before["count"], "sum": after["sum"] - before["sum"]}
 
 
+def seconds_delta(before: dict | None, after: dict | None) -> dict | None:
+    """The seconds of model calls by kind between two scrapes of
+    `ortspec:batch_call_seconds_total`."""
+    if before is None or after is None:
+        return None
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def time_shares(batches: list[dict]) -> dict | None:
+    """Over a configuration's batches: the shares of their wall time the server's model spent
+    in prefill calls and in decode calls, and the rest ("idle": the model waiting for the rows'
+    threads, which draft, verify and hand text out between calls, or for requests to come);
+    None where a batch has no call seconds (a server that does not batch)."""
+    if not batches or any(b.get("call_seconds") is None for b in batches):
+        return None
+    wall = sum(b["wall_s"] for b in batches)
+    prefill = sum(b["call_seconds"].get("prefill", 0.0) for b in batches) / wall
+    decode = sum(b["call_seconds"].get("decode", 0.0) for b in batches) / wall
+    return {"prefill": prefill, "decode": decode, "idle": max(0.0, 1.0 - prefill - decode)}
+
+
 def rows_summary(h: dict | None) -> dict | None:
     """Calls, mean rows per call, and calls per bucket (rows in (previous bound, bound])."""
     if h is None:
@@ -257,6 +278,17 @@ def markdown(res: dict) -> str:
                   + "; ".join(f"{d}'s serial outputs vs plain's: {v['identical']}/{v['prompts']} "
                               f"prompts" for d, v in ident["serial_vs_plain"].items())
                   + f" — {verdict}."]
+    shares = [r for r in res["levels"] if r.get("model_time")]
+    if shares:
+        lines += ["", ("The model's time, as shares of the batches' wall time "
+                       "(`ortspec:batch_call_seconds_total`): reading prompts (prefill calls), "
+                       "decoding (the rows' steps), and neither (the model waiting for the rows' "
+                       "threads between calls, or for requests):"), "",
+                  "| drafter | concurrency | prefill | decode | neither |", "|---|---:|---:|---:|---:|"]
+        for r in shares:
+            t = r["model_time"]
+            lines.append(f"| {r['drafter']} | {r['concurrency']} | {t['prefill']:.0%} | "
+                         f"{t['decode']:.0%} | {t['idle']:.0%} |")
     cached = {d: c for d, c in (res.get("prefix_cache") or {}).items() if c and c.get("queries")}
     if cached:
         lines += ["", "Prefix cache (prompt tokens found / looked up, whole run, warm-up "

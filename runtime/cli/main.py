@@ -53,6 +53,18 @@ class GenerateRequest:
     providers: ProviderChoice
 
 
+NO_PROMPT = ("give --prompt TEXT or --prompt-file PATH (- reads standard input), or pipe the "
+             "prompt to standard input")
+
+
+def _stdin_is_piped() -> bool:
+    """Standard input exists and is not a terminal (a pipe or a file)."""
+    try:
+        return sys.stdin is not None and not sys.stdin.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
 def _check_generate_args(args: argparse.Namespace) -> tuple[str, GenerateRequest]:
     """Everything `generate` can check before loading the model: the prompt text, and the
     request as `check_request` sees it without a model (options, drafter, providers)."""
@@ -60,8 +72,10 @@ def _check_generate_args(args: argparse.Namespace) -> tuple[str, GenerateRequest
     from ..ort.providers import choose_providers
     from ..request import DrafterSpec, check_request
 
-    if args.prompt is None and args.prompt_file is None:
-        raise OrtspecError("give --prompt TEXT or --prompt-file PATH (- reads standard input)")
+    # neither: a prompt piped to standard input (`echo ... | ortspec generate`) is read
+    piped = args.prompt is None and args.prompt_file is None and _stdin_is_piped()
+    if args.prompt is None and args.prompt_file is None and not piped:
+        raise OrtspecError(NO_PROMPT)
     if args.prompt is not None and args.prompt_file is not None:
         raise OrtspecError("give --prompt TEXT or --prompt-file PATH, not both")
     if args.seed is not None:
@@ -85,6 +99,16 @@ def _check_generate_args(args: argparse.Namespace) -> tuple[str, GenerateRequest
     check_request(None, options, drafter=drafter, draft_length=draft_length)
     request = GenerateRequest(options, drafter, draft_length,
                               choose_providers(providers_arg(args.providers)))
+    if piped:
+        try:
+            text = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8").read()
+        except UnicodeDecodeError as e:
+            raise InvalidPromptError(f"standard input is not UTF-8 text ({e})") from None
+        except (OSError, ValueError, AttributeError):  # no readable stream after all
+            text = ""
+        if not text:
+            raise OrtspecError(NO_PROMPT)
+        return text, request
     if args.prompt_file is None:
         return args.prompt, request
     where = "standard input" if args.prompt_file == "-" else f"--prompt-file {args.prompt_file!r}"
@@ -145,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="decode a prompt, streaming the text")
     add_model_options(g)
-    g.add_argument("--prompt", help="the prompt text (or --prompt-file)")
+    g.add_argument("--prompt", help="the prompt text (or --prompt-file; with neither, a prompt "
+                                    "piped to standard input is read)")
     g.add_argument("--prompt-file", help="a file holding the prompt text, UTF-8 (- reads standard "
                                          "input)")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")

@@ -14,8 +14,11 @@ non-empty draft), `..._num_draft_tokens_total` (drafted), `..._num_accepted_toke
 
 A model that batches (`ortspec.runtime.batching.runner`) adds `ortspec:batch_rows` (a histogram of
 the requests each batched call carried), `ortspec:batch_tokens_per_row` (of the tokens a row
-each call ran, S, padding included) and `ortspec:batch_padded_rows_total` (rows carried along
-without a job), read from the runner when scraped. A model with a prefix cache (`Model.prefix_counts`)
+each call ran, S, padding included), `ortspec:batch_padded_rows_total` (rows carried along
+without a job), and `ortspec:batch_calls_total{kind}` and `ortspec:batch_call_seconds_total{kind}`
+(the model calls, "prefill" reading prompt chunks and "decode" the rows' steps, and the seconds
+they took: over a span of wall time, what is left is the model idle while the rows' threads
+drafted, verified and handed text out), read from the runner when scraped. A model with a prefix cache (`Model.prefix_counts`)
 adds vLLM's `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total` (prompt tokens
 looked up in the prefix cache, and found).
 """
@@ -104,6 +107,17 @@ class _BatchCollector:
                                      "Rows carried along in a batched call without a job of theirs")
         padded.add_metric([], padded_rows)
         yield padded
+        decode_calls, decode_seconds, prefill_calls, prefill_seconds = self.stats.seconds_snapshot()
+        calls = CounterMetricFamily("ortspec:batch_calls", "Batched model calls, by kind",
+                                    labels=["kind"])
+        seconds = CounterMetricFamily("ortspec:batch_call_seconds",
+                                      "Seconds in batched model calls, by kind", labels=["kind"])
+        for kind, n, t in (("prefill", prefill_calls, prefill_seconds),
+                           ("decode", decode_calls, decode_seconds)):
+            calls.add_metric([kind], n)
+            seconds.add_metric([kind], t)
+        yield calls
+        yield seconds
 
 
 class _PrefixCollector:

@@ -15,6 +15,7 @@ the batch sizes in /metrics.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -814,7 +815,15 @@ def test_serve_batches_concurrent_openai_clients_with_their_serial_texts(window_
                                           max_tokens=16, temperature=0)
             return (q, r.choices[0].message.content)
 
+        def call_seconds() -> float:
+            return sum(server.metric(f'ortspec:batch_call_seconds_total{{kind="{k}"}}')
+                       for k in ("prefill", "decode"))
+
+        before, t0 = call_seconds(), time.perf_counter()
         answers = in_threads(ask, list(range(12)))
+        # the model's calls run one at a time on the runner's thread: their seconds fit in the
+        # wall time they ran in
+        assert 0 < call_seconds() - before <= time.perf_counter() - t0
         for q, text in answers:
             if q == "bad":
                 assert text == 400
@@ -825,6 +834,9 @@ def test_serve_batches_concurrent_openai_clients_with_their_serial_texts(window_
         calls = server.metric("ortspec:batch_rows_count")
         rows = server.metric("ortspec:batch_rows_sum")
         assert calls > 0 and rows / calls > 1.0  # several requests shared calls
+        assert server.metric('ortspec:batch_calls_total{kind="decode"}') == calls
+        assert server.metric('ortspec:batch_calls_total{kind="prefill"}') > 0
+        assert server.metric('ortspec:batch_call_seconds_total{kind="prefill"}') > 0
         # every chat prompt starts with the same system prompt: the later ones copied it
         hits = server.metric("vllm:prefix_cache_hits_total")
         assert 20 * 8 <= hits < server.metric("vllm:prefix_cache_queries_total")

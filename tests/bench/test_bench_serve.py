@@ -50,6 +50,11 @@ def test_the_serving_benchmark_records_batched_calls_and_serial_outputs(tiny_win
     shared = levels["none", 4]["batch_rows"]
     assert shared["calls"] > 0 and shared["mean_rows"] > 1.0
     assert sum(n for k, n in shared["calls_by_rows"].items() if k != "1") > 0
+    for x in levels.values():  # the model's time: shares of the wall time, prefill included
+        t = x["model_time"]
+        assert t["prefill"] > 0 and t["decode"] > 0
+        assert t["prefill"] + t["decode"] + t["idle"] == pytest.approx(1.0)
+    assert "| prompt-lookup | 4 | " in (out / "results.md").read_text().split("model's time")[1]
     assert res["checks"]["spec_over_plain_c4"]["prompt-lookup"]["ratio"] > 0
     paired = res["checks"]["spec_over_plain_paired"]["prompt-lookup"]
     assert set(paired) == {"1", "4"}

@@ -348,3 +348,16 @@ def test_paired_ratio_is_a_t_interval_on_the_logs_of_the_rounds_ratios():
     for bad in ([], [1.0, 0.0], [-1.0]):
         with pytest.raises(ValueError, match="positive"):
             paired_ratio(bad)
+
+
+def test_time_shares_are_the_model_calls_seconds_over_the_batches_wall_time():
+    from ortspec.runtime.bench.serving_report import seconds_delta, time_shares
+
+    got = seconds_delta({"prefill": 1.0, "decode": 2.0}, {"prefill": 1.5, "decode": 5.0})
+    assert got == {"prefill": 0.5, "decode": 3.0}
+    assert seconds_delta(None, got) is None
+    batches = [{"wall_s": 4.0, "call_seconds": {"prefill": 0.5, "decode": 3.0}},
+               {"wall_s": 6.0, "call_seconds": {"prefill": 1.5, "decode": 3.0}}]
+    shares = time_shares(batches)
+    assert shares == pytest.approx({"prefill": 0.2, "decode": 0.6, "idle": 0.2})
+    assert time_shares([*batches, {"wall_s": 1.0, "call_seconds": None}]) is None

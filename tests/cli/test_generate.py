@@ -42,3 +42,38 @@ def test_a_prompt_file_of_dash_is_standard_input(capsys, tiny_dir, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"a b \xff")))
     assert cli_main([*args, "--prompt-file", "-"]) == 2
     assert "standard input is not UTF-8 text" in capsys.readouterr().err
+
+
+class _Terminal:
+    """A standard input that is a terminal: never read without --prompt-file -."""
+
+    def isatty(self) -> bool:
+        return True
+
+    def read(self, *args):  # pragma: no cover - the test fails if it is read
+        raise AssertionError("standard input read")
+
+
+def test_a_prompt_piped_to_standard_input_is_read_without_flags(capsys, tiny_dir, monkeypatch):
+    import io
+
+    args = ["generate", "--model", str(tiny_dir), "--max-new-tokens", "6", "--temperature", "0",
+            "--drafter", "none"]
+    assert cli_main([*args, "--prompt", "a b c a b"]) == 0
+    want = capsys.readouterr().out
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("a b c a b".encode())))
+    assert cli_main(args) == 0  # `echo ... | ortspec generate`
+    assert capsys.readouterr().out == want
+    # nothing piped (an empty stream, or a terminal): the flags are named, nothing is read
+    for stdin in (io.TextIOWrapper(io.BytesIO(b"")), _Terminal()):
+        monkeypatch.setattr("sys.stdin", stdin)
+        assert cli_main(args) == 2
+        err = capsys.readouterr().err
+        assert "give --prompt TEXT or --prompt-file PATH" in err and "pipe the prompt" in err
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"a b \xff")))
+    assert cli_main(args) == 2
+    assert "standard input is not UTF-8 text" in capsys.readouterr().err
+    # a flag given: piped text is not read
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"x y z")))
+    assert cli_main([*args, "--prompt", "a b c a b"]) == 0
+    assert capsys.readouterr().out == want
