@@ -348,8 +348,12 @@ def main(argv: list[str] | None = None) -> int:
                     raise SystemExit(str(e)) from None
                 urls[d] = servers[-1].url
         name = json.loads(http_get(urls[drafters[0]] + "/v1/models", timeout=10))["data"][0]["id"]
-        for d in drafters:  # warm-up: the first requests of a fresh process are slower
-            run_batch(urls[d], name, prompts, 2, 4, args.max_tokens)
+        # warm-up: the first requests of a fresh process are slower; where the rounds send the
+        # same prompts again, every prompt once, so that no server's first timed batch is the
+        # one that reads them first (into its prefix cache) while the others' are not
+        warm = 4 if args.distinct_prompts else max(4, len(prompts))
+        for d in drafters:
+            run_batch(urls[d], name, prompts, 2, warm, args.max_tokens)
         over = []  # first, while the servers' draft-length policies have seen only the warm-up
         if args.overhead_requests:
             from ortspec.runtime import SpeculativeOptions, load_model

@@ -29,13 +29,19 @@ def test_the_summary_line_counts_what_was_drafted(capsys, tiny_dir, drafter, dra
         assert found is None and "nothing drafted" in summary, summary
 
 
-def test_a_prompt_file_of_dash_is_standard_input(capsys, tiny_dir, monkeypatch):
-    import io
-
+def _short_generate(tiny_dir, capsys) -> tuple[list[str], str]:
+    """A short greedy `generate` command without its prompt, and what it prints for the prompt
+    "a b c a b"."""
     args = ["generate", "--model", str(tiny_dir), "--max-new-tokens", "6", "--temperature", "0",
             "--drafter", "none"]
     assert cli_main([*args, "--prompt", "a b c a b"]) == 0
-    want = capsys.readouterr().out
+    return args, capsys.readouterr().out
+
+
+def test_a_prompt_file_of_dash_is_standard_input(capsys, tiny_dir, monkeypatch):
+    import io
+
+    args, want = _short_generate(tiny_dir, capsys)
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("a b c a b".encode())))
     assert cli_main([*args, "--prompt-file", "-"]) == 0
     assert capsys.readouterr().out == want
@@ -57,10 +63,7 @@ class _Terminal:
 def test_a_prompt_piped_to_standard_input_is_read_without_flags(capsys, tiny_dir, monkeypatch):
     import io
 
-    args = ["generate", "--model", str(tiny_dir), "--max-new-tokens", "6", "--temperature", "0",
-            "--drafter", "none"]
-    assert cli_main([*args, "--prompt", "a b c a b"]) == 0
-    want = capsys.readouterr().out
+    args, want = _short_generate(tiny_dir, capsys)
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("a b c a b".encode())))
     assert cli_main(args) == 0  # `echo ... | ortspec generate`
     assert capsys.readouterr().out == want
