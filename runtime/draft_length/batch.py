@@ -8,6 +8,7 @@ draft-length policy (`policy.py`) prices with either these or, alone, its cost c
 
 from __future__ import annotations
 
+import collections
 import functools
 import threading
 from typing import Callable
@@ -52,13 +53,20 @@ class BatchCorrection:
     extra tokens are against the call they ride in. Calls without drafts age the excess
     evidence too (IDLE_DECAY), so a factor that stopped every draft returns to 1 with time.
     Until a base call has been timed it is 1. One correction serves every row of a model: its
-    state is guarded by a lock."""
+    state is guarded by a lock.
+
+    `observe` runs on the runner's thread between two calls, while the rows it has just woken
+    wait for the interpreter: it only queues the call's figures, and the next read of `factor`
+    (a row's thread pricing a block) folds the queued calls in, in order, to the same estimate.
+    The queue is folded on the runner's thread only when PENDING_MAX calls are waiting (no row
+    has priced a block for that long)."""
 
     PRIOR_WEIGHT = 8.0
     DECAY = 0.97  # per timed call with drafts: about the last 30 count
     IDLE_DECAY = 0.998  # per call without: half the evidence is gone after about 350
     BASE_ALPHA = 0.1  # weight of the newest one-token-a-row call in r_b
     MAX_RATIO = 4.0
+    PENDING_MAX = 256  # calls queued by observe before it folds them in itself
 
     def __init__(self, surface: CostSurface, *, packs_tokens: bool = True) -> None:
         self.surface = surface
@@ -67,10 +75,15 @@ class BatchCorrection:
         self._observed = 0.0  # decayed sum of excess ratios
         self._weight = 0.0  # decayed count of calls with drafts
         self._lock = threading.Lock()
+        # calls observed and not yet folded in: (rows, span, tokens, widest, context, seconds);
+        # appended by the runner's thread, taken under the lock
+        self._pending: collections.deque[tuple[int, int, int, int, int, float]] = \
+            collections.deque()
 
     @property
     def factor(self) -> float:
         with self._lock:
+            self._fold()
             if self._base is None:
                 return 1.0
             excess = (self.PRIOR_WEIGHT * self._base + self._observed) / \
@@ -81,25 +94,36 @@ class BatchCorrection:
                 seconds: float) -> None:
         """A decode call took `seconds`: `rows` rows with a block each, `tokens` tokens in all,
         the widest block `widest` tokens, over `span` rows of the pool (the others riding
-        along), at a mean context of `context`."""
+        along), at a mean context of `context`. Queued; folded in when `factor` is read."""
         if not (seconds > 0 and 1 <= rows <= span and tokens >= rows and widest >= 1):
             return
+        self._pending.append((rows, span, tokens, widest, context, seconds))
+        if len(self._pending) >= self.PENDING_MAX:
+            with self._lock:
+                self._fold()
+
+    def _fold(self) -> None:
+        """The queued calls into the estimate, oldest first; the caller holds the lock."""
+        while self._pending:
+            self._fold_one(*self._pending.popleft())
+
+    def _fold_one(self, rows: int, span: int, tokens: int, widest: int, context: int,
+                  seconds: float) -> None:
         at = _to_step(context)
         if self.packs_tokens:
             plain, (base, extra) = tokens == rows, _call_costs(self.surface, rows, tokens - rows, at)
         else:
             plain, (base, extra) = widest == 1, _call_costs(self.surface, span, widest - 1, at)
-        with self._lock:
-            if plain:
-                ratio = seconds / base
-                self._base = ratio if self._base is None else \
-                    self._base + self.BASE_ALPHA * (ratio - self._base)
-                self._observed *= self.IDLE_DECAY
-                self._weight *= self.IDLE_DECAY
-            elif self._base is not None and extra > 0:
-                ratio = min(self.MAX_RATIO, max(0.0, (seconds - self._base * base) / extra))
-                self._observed = self._observed * self.DECAY + ratio
-                self._weight = self._weight * self.DECAY + 1.0
+        if plain:
+            ratio = seconds / base
+            self._base = ratio if self._base is None else \
+                self._base + self.BASE_ALPHA * (ratio - self._base)
+            self._observed *= self.IDLE_DECAY
+            self._weight *= self.IDLE_DECAY
+        elif self._base is not None and extra > 0:
+            ratio = min(self.MAX_RATIO, max(0.0, (seconds - self._base * base) / extra))
+            self._observed = self._observed * self.DECAY + ratio
+            self._weight = self._weight * self.DECAY + 1.0
 
 
 class BatchCosts:

@@ -445,6 +445,37 @@ def test_under_load_a_row_deep_into_long_prompts_drafts_less():
     assert draft_costs.draft_step(0.1) == pytest.approx(0.8 / 8)
 
 
+def test_the_runners_timed_calls_are_folded_in_when_a_row_reads_the_factor(monkeypatch):
+    """`observe` runs on the runner's thread while the rows it woke wait for the interpreter:
+    it only queues a call, and reading `factor` folds the queue in, in order, to the estimate
+    that folding each call at once gives (also past PENDING_MAX calls, which observe folds
+    itself)."""
+    surface = CostSurface(rows=(1, 8), tokens=(1, 2, 4, 8, 16),
+                          seconds=((1.0, 1.1, 1.3, 1.7, 2.5), (2.0, 2.1, 2.3, 2.7, 3.5)))
+    rng = np.random.default_rng(7)
+    calls = [dict(rows=8, span=8, tokens=int(t), widest=int(t) - 7, context=int(c),
+                  seconds=float(sec))
+             for t, c, sec in zip(rng.integers(8, 16, 600), rng.integers(64, 900, 600),
+                                  rng.uniform(2.0, 6.0, 600))]
+    eager, lazy = BatchCorrection(surface), BatchCorrection(surface)
+    seen = []
+    for call in calls:
+        eager.observe(**call)
+        seen.append(eager.factor)  # read after every call: each folded at once
+    computed = []
+    real = batch_costs._call_costs
+    monkeypatch.setattr(batch_costs, "_call_costs", lambda *a: computed.append(a) or real(*a))
+    for call in calls[:100]:
+        lazy.observe(**call)
+    assert computed == []  # nothing estimated on the observing thread
+    assert lazy.factor == pytest.approx(seen[99], rel=1e-12) and len(computed) == 100
+    for call in calls[100:]:  # more than PENDING_MAX unread: observe folds them itself
+        lazy.observe(**call)
+    assert len(computed) >= BatchCorrection.PENDING_MAX
+    assert lazy.factor == pytest.approx(seen[-1], rel=1e-12) and len(computed) == len(calls)
+    assert seen[-1] != 1.0
+
+
 def test_the_runners_timed_calls_correct_how_dear_a_surface_says_drafts_are(monkeypatch):
     """Calls of one token a row set the base ratio r_b; calls with drafts whose extra tokens
     cost 3x what the surface says set the excess ratio r_x = 3 (averaged over decaying weights
