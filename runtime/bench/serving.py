@@ -186,20 +186,22 @@ def scrape_prefix_cache(url: str) -> dict | None:
     return found or None
 
 
-def scrape_call_seconds(url: str) -> dict | None:
-    """`ortspec:batch_call_seconds_total` from the server's /metrics: the seconds its batched
-    model calls took so far, by kind ("prefill", "decode"); None if the server does not batch."""
-    for family in _metric_families(url):
+def call_seconds_of(families: list) -> dict | None:
+    """`ortspec:batch_call_seconds_total` from a server's parsed /metrics (`_metric_families`):
+    the seconds its batched model calls took so far, by kind ("prefill", "decode"); None if
+    the server does not batch."""
+    for family in families:
         if family.name == "ortspec:batch_call_seconds":
             return {s.labels["kind"]: float(s.value) for s in family.samples
                     if s.name.endswith("_total")}
     return None
 
 
-def scrape_batch_rows(url: str) -> dict | None:
-    """`ortspec:batch_rows` from the server's /metrics: its buckets (cumulative, as Prometheus
-    has them, by upper bound), count and sum; None if the server does not batch."""
-    for family in _metric_families(url):
+def batch_rows_of(families: list) -> dict | None:
+    """`ortspec:batch_rows` from a server's parsed /metrics (`_metric_families`): its buckets
+    (cumulative, as Prometheus has them, by upper bound), count and sum; None if the server
+    does not batch."""
+    for family in families:
         if family.name != "ortspec:batch_rows":
             continue
         out: dict = {"buckets": {}, "count": 0, "sum": 0.0}
@@ -377,11 +379,12 @@ def main(argv: list[str] | None = None) -> int:
             order = list(batches)
             rng.shuffle(order)
             for d, c in order:
-                before, seconds_before = scrape_batch_rows(urls[d]), scrape_call_seconds(urls[d])
+                before = _metric_families(urls[d])
                 b = run_batch(urls[d], name, prompts, c, args.requests, args.max_tokens,
                               offset=rnd, indices=batch_prompts(rnd, c))
-                b["batch_rows"] = rows_delta(before, scrape_batch_rows(urls[d]))
-                b["call_seconds"] = seconds_delta(seconds_before, scrape_call_seconds(urls[d]))
+                after = _metric_families(urls[d])
+                b["batch_rows"] = rows_delta(batch_rows_of(before), batch_rows_of(after))
+                b["call_seconds"] = seconds_delta(call_seconds_of(before), call_seconds_of(after))
                 batches[d, c].append(b)
                 rows = b["batch_rows"]
                 mean = (f", {rows['sum'] / rows['count']:.2f} rows/call"
@@ -402,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
                                    "batch_rows": rows_summary(rows),
                                    "model_time": time_shares(batches[d, c]),
                                    "rounds": batches[d, c]})
-        batch_rows = {d: rows_summary(scrape_batch_rows(urls[d])) for d in drafters}
+        batch_rows = {d: rows_summary(batch_rows_of(_metric_families(urls[d])))
+                      for d in drafters}
         prefix_cache = {d: scrape_prefix_cache(urls[d]) for d in drafters}
         serial_pass = {}  # --distinct-prompts: the serial texts of prompts sent only concurrently
         if args.distinct_prompts and args.rounds:

@@ -44,7 +44,7 @@ from .llama_cpp import LlamaCppMissing, find_llama_cpp, ngram_flags, requantized
     server_command
 from .server import ServerError, ServerProcess, free_port, ortspec_serve
 from .serving import run_batch
-from .serving_report import identical, paired_ratio, paired_text, summarise
+from .serving_report import identical, paired_ratio, paired_text, round_ratios, summarise
 
 VERSIONS = ("ortspec", "onnxruntime", "openai", "httpx")
 
@@ -99,9 +99,7 @@ def paired(batches: dict[tuple[str, int], list[dict]], systems: list[str],
     for s in systems[1:]:
         out[s] = {}
         for c in levels:
-            ratios = [(b["tokens"] / b["wall_s"]) / (a["tokens"] / a["wall_s"])
-                      for a, b in zip(batches[base, c], batches[s, c])
-                      if a["tokens"] > 0 and b["tokens"] > 0]  # (a round with no text: skipped)
+            ratios = round_ratios(batches[s, c], batches[base, c])
             if ratios:
                 out[s][c] = paired_ratio(ratios)
     return out
@@ -137,7 +135,8 @@ def table(results: dict) -> str:
 
     ratios = [f"{s}: " + ", ".join(ratio(s, c) for c in levels) for s in results["systems"][1:]]
     return ("\n".join(lines) + f"\n\nAgainst {base} (ratio of the medians; paired: the geometric "
-            f"mean of each round's ratio, with its 95% interval where there are rounds enough): " + "; ".join(ratios) + "\n")
+            f"mean of each round's ratio, with its 95% interval where there are rounds enough): "
+            + "; ".join(ratios) + "\n")
 
 
 def _systems(args, model_dir: Path) -> tuple[list[System], list[str]]:

@@ -1,7 +1,8 @@
 """The record of a serving benchmark (`serving.py`), from its raw batches to its findings:
 throughput and latency per configuration, every output against its serial run, requests per
-batched call from `ortspec:batch_rows`, its checks (throughput at c=8 over c=1, speculative over plain at every level with a 95% interval
-from the rounds' paired ratios, identical outputs), the markdown tables and the plot."""
+batched call from `ortspec:batch_rows`, its checks (throughput at c=8 over c=1, speculative
+over plain at every level with a 95% interval from the rounds' paired ratios, identical
+outputs), the markdown tables and the plot."""
 
 from __future__ import annotations
 
@@ -26,6 +27,13 @@ def percentile(values: list[float], q: float) -> float:
 T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def round_ratios(a: list[dict], b: list[dict]) -> list[float]:
+    """Per round, the tok/s of batch a over batch b of the same round (the two ran one after
+    the other, on the same prompts); a round where either wrote nothing is skipped."""
+    return [(x["tokens"] / x["wall_s"]) / (y["tokens"] / y["wall_s"])
+            for x, y in zip(a, b) if x["tokens"] > 0 and y["tokens"] > 0]
 
 
 def paired_ratio(ratios: list[float]) -> dict:
@@ -190,11 +198,9 @@ def checks(res: dict) -> dict:
     plain = "none" if "none" in drafters else None
 
     def ratio(a: dict, b: dict) -> dict:
-        per_round = [(x["tokens"] / x["wall_s"]) / (y["tokens"] / y["wall_s"])
-                     for x, y in zip(a["rounds"], b["rounds"])]
+        per_round = round_ratios(a["rounds"], b["rounds"])
         return {"ratio": a["tok_s_median"] / b["tok_s_median"],
-                "per_round_min": min(per_round), "per_round_max": max(per_round),
-                "per_round": per_round}
+                "per_round_min": min(per_round), "per_round_max": max(per_round)}
 
     out: dict = {"scaling_c8_over_c1": {}, "target_scaling": 3.0}
     for d in drafters:
@@ -203,7 +209,7 @@ def checks(res: dict) -> dict:
     out["spec_over_plain_c4"] = {d: ratio(by[d, 4], by[plain, 4]) for d in drafters
                                  if plain and d != plain and (d, 4) in by and (plain, 4) in by}
     out["spec_over_plain_paired"] = {
-        d: {str(c): paired_ratio(ratio(by[d, c], by[plain, c])["per_round"])
+        d: {str(c): paired_ratio(round_ratios(by[d, c]["rounds"], by[plain, c]["rounds"]))
             for c in res["config"]["concurrency"] if (d, c) in by and (plain, c) in by}
         for d in drafters if plain and d != plain}
     ident = res.get("identical")
@@ -284,7 +290,8 @@ def markdown(res: dict) -> str:
                        "(`ortspec:batch_call_seconds_total`): reading prompts (prefill calls), "
                        "decoding (the rows' steps), and neither (the model waiting for the rows' "
                        "threads between calls, or for requests):"), "",
-                  "| drafter | concurrency | prefill | decode | neither |", "|---|---:|---:|---:|---:|"]
+                  "| drafter | concurrency | prefill | decode | neither |",
+                  "|---|---:|---:|---:|---:|"]
         for r in shares:
             t = r["model_time"]
             lines.append(f"| {r['drafter']} | {r['concurrency']} | {t['prefill']:.0%} | "

@@ -99,30 +99,29 @@ def _check_generate_args(args: argparse.Namespace) -> tuple[str, GenerateRequest
     check_request(None, options, drafter=drafter, draft_length=draft_length)
     request = GenerateRequest(options, drafter, draft_length,
                               choose_providers(providers_arg(args.providers)))
-    if piped:
-        try:
-            text = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8").read()
-        except UnicodeDecodeError as e:
-            raise InvalidPromptError(f"standard input is not UTF-8 text ({e})") from None
-        except (OSError, ValueError, AttributeError):  # no readable stream after all
-            text = ""
-        if not text:
-            raise OrtspecError(NO_PROMPT)
-        return text, request
-    if args.prompt_file is None:
+    source = "-" if piped else args.prompt_file
+    if source is None:
         return args.prompt, request
-    where = "standard input" if args.prompt_file == "-" else f"--prompt-file {args.prompt_file!r}"
+    where = "standard input" if source == "-" else f"--prompt-file {source!r}"
     try:
-        if args.prompt_file == "-":
+        if source == "-":
             if sys.stdin is None:
                 raise OrtspecError("--prompt-file - reads standard input, and there is none")
             # as read_text reads a file: UTF-8, universal newlines
-            return io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8").read(), request
-        return Path(args.prompt_file).read_text(encoding="utf-8"), request
+            text = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8").read()
+        else:
+            text = Path(source).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise InvalidPromptError(f"{where} is not UTF-8 text ({e})") from None
-    except OSError as e:
-        raise OrtspecError(f"cannot read {where}: {e.strerror or e}") from None
+    except (OSError, ValueError, AttributeError) as e:
+        if not piped:  # (piped: no readable stream after all, as if nothing was piped)
+            if isinstance(e, OSError):
+                raise OrtspecError(f"cannot read {where}: {e.strerror or e}") from None
+            raise
+        text = ""
+    if piped and not text:
+        raise OrtspecError(NO_PROMPT)
+    return text, request
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
