@@ -41,6 +41,9 @@ class BatchBackend(Protocol):
     max_call: int  # most tokens a row may append in one call
     min_rows: int  # every call runs at least this many tokens in all (see call_width)
     packs_tokens: bool  # a call computes its rows' real tokens only, not their padding
+    # each row's cache is read in place, and a row without tokens in a call costs it nothing:
+    # a freed row may stay empty among occupied ones (else `move` keeps them contiguous)
+    rows_in_place: bool
     ort_seconds: float  # time inside the model runtime
     # the decoder layers whose entering residual streams a call also returns (see
     # `HiddenStateSource`); None: the graph returns none
@@ -104,6 +107,9 @@ class OrtBatchBackend:
                                 f"(exported by an earlier ortspec); export it again for "
                                 f"batched decoding")
         self.packs_tokens = TOKEN_ROWS in {i.name for i in self._session.get_inputs()}
+        # ortspec.CacheAttention reads each packed token's own row up to its position; the
+        # MatMul attention slices the first W slots of every row the call covers
+        self.rows_in_place = self.packs_tokens and m.attends_in_place
         self._names = sessions.kv_names
         # [max_rows, kv_heads, capacity, head_dim] per layer and key/value, every page written
         # now: left to the first write, a fresh row faults in its pages in the middle of a call
@@ -191,7 +197,7 @@ class ReferenceBatchBackend:
     the scheduling is tested against."""
 
     def __init__(self, config: ReferenceConfig = ReferenceConfig(), *, max_rows: int,
-                 max_call: int = 8, min_rows: int = 1) -> None:
+                 max_call: int = 8, min_rows: int = 1, rows_in_place: bool = False) -> None:
         self.rows = [ReferenceDecoder(config) for _ in range(max_rows)]
         self.vocab_size = config.vocab_size
         self.capacity = config.capacity
@@ -199,6 +205,7 @@ class ReferenceBatchBackend:
         self.max_call = max_call
         self.min_rows = min_rows
         self.packs_tokens = False  # computes every position, padding included
+        self.rows_in_place = rows_in_place  # (either way: the scheduling under test)
         self.ort_seconds = 0.0
         self.hidden_state_layers: tuple[int, ...] | None = None
         self.calls: list[tuple[int, int]] = []  # (rows, S) of each call, for tests

@@ -274,7 +274,9 @@ class BatchRunner:
             row.index = None
             last = max(j for j, r in enumerate(self._slots) if r is not None)
             self._slots[i] = None
-            if last != i:  # keep the occupied rows contiguous: the last one fills the hole
+            # where an empty row costs a call nothing it stays empty until a request takes it;
+            # else the occupied rows are kept contiguous: the last one fills the hole
+            if last != i and not self.backend.rows_in_place:
                 moved = self._slots[last]
                 assert moved is not None
                 self.backend.move(last, i, moved.length)

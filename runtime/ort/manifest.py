@@ -189,7 +189,13 @@ class Manifest:
         """Whether a verify row must equal its step bit for bit: a graph that pads lone rows, or
         one attending with ortspec.CacheAttention, whose kernels compute a row alike at every
         call size (export/attention.py)."""
-        return self.reserved_slots > 0 or self.extra.get("attention") == CACHE_ATTENTION_OP
+        return self.reserved_slots > 0 or self.attends_in_place
+
+    @property
+    def attends_in_place(self) -> bool:
+        """Whether the graph attends with ortspec.CacheAttention: each query over its own row
+        of the cache, read in place up to its position."""
+        return self.extra.get("attention") == CACHE_ATTENTION_OP
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)

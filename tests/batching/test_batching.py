@@ -142,6 +142,48 @@ def test_a_row_leaving_moves_the_last_row_into_its_place():
     runner.close()
 
 
+def test_a_row_leaving_a_pool_read_in_place_stays_empty_until_a_request_takes_it():
+    """Where rows are read in place (an empty row costs a call nothing), a short request ends
+    while longer ones run: nothing is moved, the calls go on covering the hole, the others
+    decode exactly, and the next request takes the lowest empty row."""
+    backend = ReferenceBatchBackend(GREEDY, max_rows=3, max_call=8, rows_in_place=True)
+    moves: list[tuple[int, int]] = []
+    backend.move = lambda src, dst, length: moves.append((src, dst))
+    runner = BatchRunner(backend, max_verify_len=8)
+    prompts = _prompts(4, seed=6)
+    budgets = [6, 50, 50, 20]
+    solo = ReferenceDecoder(GREEDY)
+    expected = [plain_decode(solo, p, SpeculativeOptions(n)).tokens
+                for p, n in zip(prompts, budgets, strict=True)]
+    rows = [runner.row() for _ in prompts[:3]]
+    for row in rows:  # take pool rows 0, 1, 2 in order
+        row.prefill([0])
+        row.reset()
+    assert [row.index for row in rows] == [0, 1, 2]
+    took: list[int | None] = []
+
+    def decode(i):
+        if i < 3:
+            try:
+                return plain_decode(rows[i], prompts[i], SpeculativeOptions(budgets[i])).tokens
+            finally:
+                rows[i].release()
+        while rows[0].index is not None:  # the short request has given its row back
+            time.sleep(0.001)
+        late = runner.row()
+        try:
+            out = plain_decode(late, prompts[3], SpeculativeOptions(budgets[3])).tokens
+            took.append(late.index)
+            return out
+        finally:
+            late.release()
+
+    assert in_threads(decode, [0, 1, 2, 3]) == expected
+    assert moves == []
+    assert took == [0]
+    runner.close()
+
+
 def test_a_row_with_non_finite_logits_fails_only_its_request():
     poison = 7
 
