@@ -10,6 +10,6 @@ X86 = platform.machine().lower() in ("x86_64", "amd64")
 # the kernels pick AVX2 or AVX-512 VNNI per function at run time; the file itself is baseline
 setup(ext_modules=[Extension("ortspec.runtime.ort._q4kernel", sources=["runtime/ort/_q4kernel.c"],
                              depends=["runtime/ort/q4_simd.h", "runtime/ort/attention_simd.h",
-                                      "runtime/ort/ort_abi.h", "runtime/ort/product_ops.h",
-                                      "runtime/ort/attention_ops.h"],
+                                      "runtime/ort/attention_kv.h", "runtime/ort/ort_abi.h",
+                                      "runtime/ort/product_ops.h", "runtime/ort/attention_ops.h"],
                              extra_compile_args=["-O3"] if X86 else [], optional=True)])

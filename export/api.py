@@ -44,7 +44,7 @@ from .eagle3_export import HEAD_DIR, add_draft_head, check_head_quant, export_he
     head_source, hf_target, read_head_for
 from .errors import ExportOptionError
 from .graph_spec import ATTENTIONS, DEFAULT_OPSET, KERNELS, LM_HEADS, MAX_OPSET, MIN_OPSET, \
-    QUANT_SCHEMES, QUANTS, GraphOptions, WeightQuant, weight_quant
+    KV_CACHES, QUANT_SCHEMES, QUANTS, GraphOptions, WeightQuant, weight_quant
 from .graphs import build_decoder
 from .hidden_states import QUANT_TOLERANCES as HIDDEN_QUANT_TOLERANCES
 from .hidden_states import HiddenStatesOption, check_hidden_states_option, resolve_layers
@@ -73,8 +73,9 @@ STAGES = ("load", "build", "save", "validate", "checksums")
 # 12: on ortspec's kernels the gated MLP's gate and up product, SiLU and product are one
 # ortspec.Q4GemmSwiGlu node, and a gqa layer's RotaryCacheAttention takes and gives flat rows
 # (three Reshapes fewer a layer); 13: on ortspec's kernels a skip norm before a 4-bit product is
-# part of its node (ortspec.Q4GemmNorm, Q4GemmSwiGluNorm)
-EXPORTER_REVISION = 13
+# part of its node (ortspec.Q4GemmNorm, Q4GemmSwiGluNorm); 14: a graph on ortspec's kernels keeps
+# a float16 KV cache by default (`resolve_kv_cache`)
+EXPORTER_REVISION = 14
 # the providers each graph flavour is built for (see runtime/providers.py): ORT's CUDA GQA
 # kernel is fp16/bf16 only and TensorRT does not import GQA; standard ONNX ops run anywhere
 GRAPH_PROVIDERS = {("gqa", "fp32"): "CPUExecutionProvider",
@@ -142,6 +143,25 @@ def resolve_kernel(kernel: str | None, *, quant: str | None, quant_scheme: str) 
     return kernel
 
 
+def resolve_kv_cache(kv_cache: str | None, options: GraphOptions) -> str:
+    """The KV cache dtype of a graph with `options` (GraphOptions.kv_dtype): None picks float16
+    where the graph attends with ortspec's kernels (`attends_with_cache`: the attention of
+    every decoding step reads every cached key and value, and at a few hundred tokens of
+    context that read is what the step's time is made of), else the graph's dtype; "fp16"
+    under float32 activations needs such a graph. ExportOptionError otherwise."""
+    if kv_cache is not None and kv_cache not in KV_CACHES:
+        raise ExportOptionError(f"kv_cache must be one of {', '.join(KV_CACHES)} or None, got "
+                                f"{kv_cache!r}")
+    fits = options.dtype == "fp32" and attends_with_cache(options)
+    if kv_cache is None:
+        return "fp16" if fits else options.dtype
+    if kv_cache != options.dtype and not fits:
+        raise ExportOptionError(f"kv_cache={kv_cache!r} with dtype={options.dtype!r} needs a "
+                                f"graph attending with ortspec's kernels: quant='int4' on "
+                                f"kernel 'ortspec' (block-min weights), window or gqa attention")
+    return kv_cache
+
+
 def check_options(*, capacity: int, max_verify_len: int, dtype: str, opset: int,
                   attention: str = "gqa", quant: str | None = None, lm_head: str = "int8",
                   quant_scheme: str = "block-min") -> tuple[int, int, int]:
@@ -195,7 +215,8 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
                  quant_scheme: str = "block-min", kernel: str | None = None,
                  hidden_states: HiddenStatesOption = None,
                  draft_head: str | os.PathLike | None = None,
-                 draft_head_quant: str | None = None, with_shipped_head: bool = True) -> Path:
+                 draft_head_quant: str | None = None, with_shipped_head: bool = True,
+                 kv_cache: str | None = None) -> Path:
     """Export `source` (a Hugging Face model directory, a .gguf file, or None for the default
     model) to the directory `out`; returns its path. Raises ExportError (ExportOptionError for a
     bad option) with nothing written.
@@ -249,7 +270,15 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
     with_shipped_head: a source whose recipe ships a trained head (the default model) gets it
     as its draft_head when none is given, on a gqa graph (a window graph batches requests,
     which the eagle3 drafter does not) without an explicit hidden_states; False exports without
-    it. Not with draft_only."""
+    it. Not with draft_only.
+
+    kv_cache: the KV cache's dtype, "fp32" or "fp16"; None picks float16 where the graph
+    attends with ortspec's kernels (the int4 default: each step reads the whole cache, so half
+    the bytes is a faster step at any context, and at 8 rows of 512 tokens about 0.7x the
+    attention's time), else the graph's dtype (`resolve_kv_cache`). A float16 cache stores
+    each key and value rounded to nearest and is read widened to float32; a row still computes
+    the same bits in every call, so decoding stays lossless against this graph's own plain
+    decoding. The manifest records it (extra.kv_cache)."""
     if not isinstance(with_shipped_head, bool):
         raise ExportOptionError(f"with_shipped_head must be True or False, got "
                                 f"{with_shipped_head!r}")
@@ -269,6 +298,11 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
     kernel = resolve_kernel(kernel, quant=quant, quant_scheme=quant_scheme)
     if opset_given is None and attention == "gqa" and quant is not None and kernel == "ortspec":
         opset = CACHE_ATTENTION_OPSET  # attends with ortspec.CacheAttention (attends_with_cache)
+    wq = None if quant is None else weight_quant(quant, lm_head=lm_head, scheme=quant_scheme,
+                                                 kernel=kernel)
+    kv_dtype = resolve_kv_cache(kv_cache, GraphOptions(capacity=capacity, dtype=dtype,
+                                                       opset=opset, attention=attention,
+                                                       quant=wq))
     check_head_quant(draft_head_quant)
     if draft_head_quant is not None and draft_head is None:
         raise ExportOptionError("draft_head_quant applies to a draft_head")
@@ -339,8 +373,7 @@ def export_model(source: str | os.PathLike | None = None, *, out: str | os.PathL
                          started=started, draft=draft, hidden=hidden,
                          head=None if head is None else (head, Path(draft_head),
                                                          draft_head_quant),
-                         quant=None if quant is None else weight_quant(
-                             quant, lm_head=lm_head, scheme=quant_scheme, kernel=kernel))
+                         quant=wq, kv_dtype=kv_dtype)
         mf.read_manifest(tmp)  # the directory as the runtime will see it
         os.chmod(tmp, 0o755)  # mkdtemp made it private; the result is an ordinary directory
         _move_into_place(tmp, dest)
@@ -370,7 +403,8 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
                  started: float, draft: DraftOptions | None = None,
                  quant: WeightQuant | None = None,
                  hidden: str | tuple[int, ...] | None = None,
-                 head: tuple[Eagle3Head, Path, str | None] | None = None) -> mf.Manifest:
+                 head: tuple[Eagle3Head, Path, str | None] | None = None,
+                 kv_dtype: str | None = None) -> mf.Manifest:
     from .checkpoint import load_checkpoint  # torch + transformers: only now
     from .validate import validate_export, validate_hidden_states
 
@@ -392,7 +426,7 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
     cos, sin = ckpt.rope_tables(capacity)
     layers = ckpt.spec.num_layers
     options = GraphOptions(capacity=capacity, dtype=dtype, opset=opset, attention=attention,
-                           quant=quant, hidden_state_layers=hidden_layers)
+                           quant=quant, hidden_state_layers=hidden_layers, kv_dtype=kv_dtype)
     attention_rows = min_attention_rows(quant=quant, attention=attention,
                                         cache_attention=attends_with_cache(options))
     options = dataclasses.replace(options, pad_lone_query=attention_rows > 1)
@@ -432,6 +466,7 @@ def _export_into(tmp: Path, src: Source, *, capacity: int, max_verify_len: int, 
                "family": ckpt.spec.family,
                "tied_embeddings": ckpt.spec.tied_embeddings,
                "weight_bytes": files.weight_bytes,
+               "kv_cache": options.cache_dtype,
                **_weight_format(options, files)},
         min_call_rows=min_call_rows(attention=attention, ops=files.op_types),
         min_attention_rows=attention_rows,

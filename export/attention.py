@@ -236,6 +236,9 @@ def _rotate_and_store(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str]
         k = g.op1("RotaryEmbedding", [k, cos, sin, ctx["position_ids"]],
                   num_heads=spec.num_kv_heads, **rope)
     key, value = gio.present_key_name(i), gio.present_value_name(i)
+    if half_cache(b.options):  # stored rounded to nearest, as the ...16 ops store
+        k = g.op1("Cast", [k], to=TensorProto.FLOAT16)
+        v = g.op1("Cast", [v], to=TensorProto.FLOAT16)
     g.op("TensorScatter", [gio.past_key_name(i), _heads_first(b, k, spec.num_kv_heads),
                            ctx["write_index"]], outputs=[key], axis=2)
     g.op("TensorScatter", [gio.past_value_name(i), _heads_first(b, v, spec.num_kv_heads),
@@ -372,11 +375,24 @@ ATTENTION_OPS = {"gqa": "GroupQueryAttention", "standard": "Attention", "window"
 ROTARY_CACHE_ATTENTION_OP = "RotaryCacheAttention"
 
 
+# ... each also in a float16-cache version, the name and this suffix (`half_cache`)
+HALF_CACHE_SUFFIX = "16"
+
+
 def attention_op(attention: str, op_types: Iterable[str]) -> str:
     """Manifest extra.attention of a graph of flavour `attention` made of `op_types`:
-    ortspec.CacheAttention where it attends with it, else the flavour's op."""
-    cache = {CACHE_ATTENTION_OP, ROTARY_CACHE_ATTENTION_OP}
+    ortspec.CacheAttention where it attends with it (either cache type), else the flavour's op."""
+    cache = {name + suffix for name in (CACHE_ATTENTION_OP, ROTARY_CACHE_ATTENTION_OP)
+             for suffix in ("", HALF_CACHE_SUFFIX)}
     return CACHE_ATTENTION_OP if not cache.isdisjoint(op_types) else ATTENTION_OPS[attention]
+
+
+def half_cache(options: GraphOptions) -> bool:
+    """Whether a graph keeps a float16 KV cache under float32 activations: one attending with
+    ortspec's kernels (`attends_with_cache`) asked for it (GraphOptions.kv_dtype). Its
+    attention nodes are the ...16 ops, which store the keys and values a call computes
+    rounded to float16 and widen what they read to float32."""
+    return options.cache_dtype == "fp16" and options.dtype == "fp32" and attends_with_cache(options)
 
 
 def attends_with_cache(options: GraphOptions) -> bool:
@@ -412,7 +428,7 @@ def _attend_cache(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str], *, row
         attrs = _cache_attention_attrs(b, i)
         attrs["rotary_dim"] = int(spec.rotary_dims)
         y, _, _ = b.g.op(
-            ROTARY_CACHE_ATTENTION_OP,
+            ROTARY_CACHE_ATTENTION_OP + (HALF_CACHE_SUFFIX if half_cache(b.options) else ""),
             [qkv, gio.past_key_name(i), gio.past_value_name(i), ctx["position_ids"], rows,
              *spec.rope_tables(i)], 3, domain=ORTSPEC_DOMAIN, name=f"layers.{i}.attn",
             outputs=[f"layers.{i}.attn/out0", gio.present_key_name(i),
@@ -438,7 +454,8 @@ def _cache_attention(b: GraphBuilder, i: int, q: str, key: str, value: str,
     its position (or its sliding window), read in place: no slice of the cache, no mask, no
     padded query; [M, heads * hd]. Every query is computed alone in a fixed order, so a row's
     output is the same whatever the call holds."""
-    return b.g.op1("CacheAttention", [q, key, value, ctx["position_ids"], rows],
+    op = CACHE_ATTENTION_OP + (HALF_CACHE_SUFFIX if half_cache(b.options) else "")
+    return b.g.op1(op, [q, key, value, ctx["position_ids"], rows],
                    domain=ORTSPEC_DOMAIN, name=f"layers.{i}.attn", **_cache_attention_attrs(b, i))
 
 

@@ -12,8 +12,8 @@ import sys
 from ortspec.runtime.cli.args import UserErrorParser
 from ortspec.runtime.errors import OrtspecError
 
-from .graph_spec import ATTENTIONS, DEFAULT_OPSET, DEFAULT_QUANT, HEAD_QUANTS, LM_HEADS, \
-    MAX_OPSET, MIN_OPSET, KERNELS, QUANT_SCHEMES, QUANTS
+from .graph_spec import ATTENTIONS, DEFAULT_OPSET, DEFAULT_QUANT, HEAD_QUANTS, KV_CACHES, \
+    LM_HEADS, MAX_OPSET, MIN_OPSET, KERNELS, QUANT_SCHEMES, QUANTS
 
 PROG = "ortspec export"
 
@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "Q4_1 kernel, an onnxruntime custom op; an extra row of a verify or batch "
                         "costs 0.4-0.6x onnxruntime's) or onnxruntime (MatMulNBits); default: "
                         "ortspec where it is built and runs on this CPU (AVX2 and FMA)")
+    p.add_argument("--kv-cache", choices=KV_CACHES, default=None,
+                   help="the KV cache's dtype; default: fp16 where the graph attends with "
+                        "ortspec's kernels (--quant int4 on --kernel ortspec), else --dtype's")
     p.add_argument("--attention", choices=ATTENTIONS, default="gqa",
                    help="gqa: onnxruntime's fused GroupQueryAttention (CPU; CUDA in fp16), the "
                         "default; standard: ONNX opset-24 ops only, for TensorRT")
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                            hidden_states=None if args.hidden_states is None else
                            parse_hidden_states(args.hidden_states),
                            draft_head=args.draft_head, draft_head_quant=args.draft_head_quant,
-                           with_shipped_head=not args.no_draft_head)
+                           with_shipped_head=not args.no_draft_head, kv_cache=args.kv_cache)
     except (OrtspecError, OSError) as e:
         print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
         return 2

@@ -164,6 +164,7 @@ HEAD_QUANTS = {"int8": WeightQuant(bits=8, block_size=32, scheme="symmetric", ac
 LM_HEADS = ("int8", "int4", "fp32")  # the LM head's (and a tied embedding's) precision
 QUANT_SCHEMES = ("block-min", "zero-point", "symmetric")  # quantize.SCHEMES, for 4-bit weights
 KERNELS = ("ortspec", "onnxruntime")  # WeightQuant.kernel
+KV_CACHES = ("fp32", "fp16")  # GraphOptions.kv_dtype (export_model's kv_cache)
 ORTSPEC_DOMAIN = "ortspec"  # the custom ops' domain (runtime/ort/kernels.py)
 
 
@@ -193,6 +194,14 @@ class GraphOptions:
     # the layer ids whose entering residual stream the graph also returns (hidden_states.py):
     # () returns none, and the graph is the one without the option, node for node
     hidden_state_layers: tuple[int, ...] = ()
+    # the KV cache's dtype ("fp32" or "fp16"; None: dtype's). A float16 cache under float32
+    # activations only where the graph attends with ortspec's kernels (attention.py's
+    # attends_with_cache), which read it as float16 and store into it rounded to nearest
+    kv_dtype: str | None = None
+
+    @property
+    def cache_dtype(self) -> str:
+        return self.kv_dtype or self.dtype
 
 
 def check_opset(attention: str, opset: int) -> None:

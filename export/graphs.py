@@ -44,7 +44,7 @@ from onnx import TensorProto, helper
 
 from ortspec.runtime.ort import graph_io as gio
 
-from .attention import FLAVOURS, attend_rows, pack_tokens, rotary_cache_layer, to_grid
+from .attention import FLAVOURS, attend_rows, half_cache, pack_tokens, rotary_cache_layer, to_grid
 from .builder import GetWeight, GraphBuilder, fuse_skip_norms
 from .graph_spec import MS, NUMPY_DTYPES, ORTSPEC_DOMAIN, DecoderSpec, GraphOptions, check_opset
 from .hidden_states import hidden_states_output
@@ -84,6 +84,13 @@ def build_decoder(spec: DecoderSpec, options: GraphOptions, get_weight: GetWeigh
     if spec.local_rope != (local_rope is not None):
         raise ValueError("local_rope tables are needed exactly when spec.local_rope is set")
     check_opset(options.attention, options.opset)
+    if options.cache_dtype not in ONNX_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {tuple(ONNX_DTYPES)} or None, got "
+                         f"{options.kv_dtype!r}")
+    if options.cache_dtype != options.dtype and not half_cache(options):
+        raise ValueError(f"a {options.cache_dtype} KV cache under {options.dtype} activations "
+                         f"needs a graph attending with ortspec's kernels (int4 weights on "
+                         f"kernel 'ortspec', window or gqa attention)")
     if options.quant is not None and options.attention == "standard":
         raise ValueError("quantized weights (MatMulNBits, a com.microsoft op) need the gqa or "
                          "window attention flavour")
@@ -190,7 +197,7 @@ def mlp_activation(b: GraphBuilder, gate: str) -> str:
 
 def _make_model(spec: DecoderSpec, options: GraphOptions, g: NodeList,
                 inits: list[TensorProto]) -> onnx.ModelProto:
-    kv_type = ONNX_DTYPES[options.dtype]
+    kv_type = ONNX_DTYPES[options.cache_dtype]
     batch = "batch"  # B rows, each with its own valid length (its mask row's sum)
     kv_shape = [batch, spec.num_kv_heads, options.capacity, spec.head_dim]
     inputs = [

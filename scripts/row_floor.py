@@ -153,7 +153,7 @@ def _graph(model_dir: Path):
 def step_bytes(model_dir: Path, context: int) -> int:
     """Bytes a step reads at least: every initializer but the tables it looks a row up in (an
     embedding's values and scales, the rotary cos and sin), and the keys and values of `context`
-    positions (float32 cache)"""
+    positions (at the export's KV cache dtype)"""
     from onnx import helper
 
     man, graph = _graph(model_dir)
@@ -161,7 +161,7 @@ def step_bytes(model_dir: Path, context: int) -> int:
     for node in graph.node:
         if node.op_type in ("Gather", "GatherBlockQuantized"):
             looked_up.update(node.input)
-        elif node.op_type == "RotaryCacheAttention":
+        elif node.op_type in ("RotaryCacheAttention", "RotaryCacheAttention16"):
             looked_up.update(node.input[5:7])
     total = 0
     for init in graph.initializer:
@@ -172,7 +172,8 @@ def step_bytes(model_dir: Path, context: int) -> int:
             count *= d
         total += count * helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
     arch = man.architecture
-    return total + 2 * 4 * arch.num_layers * arch.num_kv_heads * arch.head_dim * context
+    kv_bytes = 2 if man.extra.get("kv_cache") == "fp16" else 4
+    return total + 2 * kv_bytes * arch.num_layers * arch.num_kv_heads * arch.head_dim * context
 
 
 def graph_macs(model_dir: Path, context: int) -> tuple[int, int]:

@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     graph_inputs = {i.name for i in session.get_inputs()}
     takes_rows = "logit_rows" in graph_inputs
     packs = "token_rows" in graph_inputs  # the batched graph: every token computed here
-    pasts = {i.name: np.zeros([1, *i.shape[1:]], np.float32) for i in session.get_inputs()
+    kv_types = {"tensor(float)": np.float32, "tensor(float16)": np.float16}  # the cache's dtype
+    pasts = {i.name: np.zeros([1, *i.shape[1:]], kv_types[i.type]) for i in session.get_inputs()
              if i.name.startswith("past_key_values")}
 
     def run(ids, past, total):

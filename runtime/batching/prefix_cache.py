@@ -27,7 +27,9 @@ from ..errors import InvalidOptionError
 from ..validation import check_int
 
 MIB = 1 << 20
-DEFAULT_PREFIX_CACHE_MIB = 256  # the default model in fp32: about 46 KiB a token, ~5,700 tokens
+# the default model at int4 (a float16 KV cache): about 23 KiB a token, ~11,400 tokens; in fp32
+# about 46 KiB a token, ~5,700 tokens
+DEFAULT_PREFIX_CACHE_MIB = 256
 
 
 def prefix_cache_bytes(mib: object, *, name: str = "prefix_cache_mib") -> int:

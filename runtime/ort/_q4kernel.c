@@ -105,7 +105,9 @@ OrtStatus *RegisterCustomOps(void *options, const OrtApiBase *base) {
         (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &q4_swiglu_norm_op)) ||
         (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &q8_op)) ||
         (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &attention_op)) ||
-        (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &rotary_op)))
+        (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &rotary_op)) ||
+        (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &attention16_op)) ||
+        (status = FN(API_CustomOpDomain_Add, domain_add_t)(domain, &rotary16_op)))
         return status;
     return FN(API_AddCustomOpDomain, add_domain_t)(options, domain);
 }

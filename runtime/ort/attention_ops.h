@@ -1,5 +1,8 @@
 /* The attention custom ops, CacheAttention and RotaryCacheAttention (_q4kernel.c includes this
- * file once, after attention_simd.h and its shared helpers). */
+ * file once, after attention_simd.h and its shared helpers), each in two types: with a float32
+ * cache, and with a float16 one (CacheAttention16, RotaryCacheAttention16: the same inputs,
+ * outputs and attributes, with key and value float16; the keys and values a call stores are
+ * rounded to float16 to nearest, ties to even, and every product is taken in float32). */
 
 /* ---- CacheAttention ------------------------------------------------------------------------ */
 
@@ -13,11 +16,13 @@
 typedef struct {
     int64_t heads, window;
     float scale, softcap;
+    int half;  /* the cache holds float16 (the ...16 ops), else float32 */
 } Attention;
 
 typedef struct {
     const Attention *op;
-    const float *q, *k, *v;
+    const float *q;
+    const void *k, *v;  /* float, or uint16_t (float16) where op->half */
     const int64_t *positions, *rows;
     float *y;
     int64_t b, s, kv, cap, hd, m;  /* m: the token rows */
@@ -26,14 +31,23 @@ typedef struct {
 static __thread float *attn_scratch;  /* the scores of one query */
 static __thread size_t attn_scratch_size;
 
+/* the bytes of a cache element */
+static size_t kv_size(const Attention *op) { return op->half ? sizeof(uint16_t) : sizeof(float); }
+
 /* y [G, hd]: the group's queries q [G, hd] at position p over their KV head's cache rows k, v
- * [cap, hd], slots from the sliding window's start (or 0) to p */
-static void attend_to(const Attention *op, const float *q, int64_t group, const float *k,
-                      const float *v, int64_t hd, int64_t p, float *y) {
+ * [cap, hd] (elements from `at` on), slots from the sliding window's start (or 0) to p */
+static void attend_to(const Attention *op, const float *q, int64_t group, const void *k,
+                      const void *v, int64_t at, int64_t hd, int64_t p, float *y) {
 #ifdef ORTSPEC_X86
     int64_t lo = op->window > 0 && p - op->window + 1 > 0 ? p - op->window + 1 : 0;
-    attend(q, group, k, v, hd, lo, p, op->scale, op->softcap, attn_scratch, y);
+    if (op->half)
+        attend_f16(q, group, (const uint16_t *)k + at, (const uint16_t *)v + at, hd, lo, p,
+                   op->scale, op->softcap, attn_scratch, y);
+    else
+        attend_f32(q, group, (const float *)k + at, (const float *)v + at, hd, lo, p, op->scale,
+                   op->softcap, attn_scratch, y);
 #else
+    (void)at;
     (void)op; (void)q; (void)group; (void)k; (void)v; (void)hd; (void)p; (void)y;
 #endif
 }
@@ -53,8 +67,8 @@ static void attention_task(void *data, size_t i) {
         return;
     }
     int64_t at = ((flat / job->s) * kv + h) * job->cap * hd;
-    attend_to(job->op, job->q + flat * width + h * group * hd, group, job->k + at, job->v + at,
-              hd, p, y);
+    attend_to(job->op, job->q + flat * width + h * group * hd, group, job->k, job->v, at, hd, p,
+              y);
 }
 
 static void attention_compute(void *state, void *context) {
@@ -62,8 +76,8 @@ static void attention_compute(void *state, void *context) {
     if (!op) return;  /* a node its create refused: no output */
     int64_t qd[8], kd[8], vd[8], pd[8], rd[8];
     size_t qr = 0, kr = 0, vr = 0, pr = 0, rr = 0;
-    const float *q = input_of(context, 0, qd, &qr), *k = input_of(context, 1, kd, &kr);
-    const float *v = input_of(context, 2, vd, &vr);
+    const float *q = input_of(context, 0, qd, &qr);
+    const void *k = input_of(context, 1, kd, &kr), *v = input_of(context, 2, vd, &vr);
     const int64_t *positions = input_of(context, 3, pd, &pr), *rows = input_of(context, 4, rd, &rr);
     if (qr != 3 || rr != 1) return;  /* no output: onnxruntime reports the missing tensor */
     int64_t out[2] = {rd[0], qd[2]};
@@ -100,11 +114,26 @@ static void *create_attention(const void *unused_op, const void *unused, const v
     return op;
 }
 
+static void *create_attention16(const void *unused_op, const void *unused, const void *info) {
+    Attention *op = create_attention(unused_op, unused, info);
+    if (op) op->half = 1;
+    return op;
+}
+
 static const char *attention_name(const void *op) { (void)op; return "CacheAttention"; }
 static int attention_input_type(const void *op, size_t i) { (void)op; return i < 3 ? ELEM_FLOAT : ELEM_INT64; }
 static size_t attention_inputs(const void *op) { (void)op; return 5; }
 static CustomOp attention_op = CUSTOM_OP(create_attention, attention_name, attention_input_type,
                                          attention_inputs, attention_compute, free);
+
+static const char *attention16_name(const void *op) { (void)op; return "CacheAttention16"; }
+static int attention16_input_type(const void *op, size_t i) {
+    (void)op;
+    return i == 0 ? ELEM_FLOAT : i < 3 ? ELEM_FLOAT16 : ELEM_INT64;
+}
+static CustomOp attention16_op = CUSTOM_OP(create_attention16, attention16_name,
+                                           attention16_input_type, attention_inputs,
+                                           attention_compute, free);
 
 /* ---- RotaryCacheAttention ------------------------------------------------------------------ */
 
@@ -126,7 +155,7 @@ typedef struct {
 typedef struct {
     const RotaryAttention *op;
     const float *qkv, *cos, *sin;
-    const float *k, *v;  /* the present cache */
+    const void *k, *v;  /* the present cache (float, or float16 where op->base.half) */
     const int64_t *positions, *rows;
     float *y;
     int64_t b, s, kv, cap, hd, width, m;  /* m: the token rows */
@@ -134,6 +163,19 @@ typedef struct {
 
 static __thread float *rotary_scratch;  /* a group's rotated queries */
 static __thread size_t rotary_scratch_size;
+
+/* out [n] = x [n] as float16, rounded to nearest, ties to even */
+#ifdef ORTSPEC_X86
+static AVX2 void to_half(const float *x, int64_t n, uint16_t *out) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(out + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) out[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+}
+#else
+static void to_half(const float *x, int64_t n, uint16_t *out) { (void)x; (void)n; (void)out; }
+#endif
 
 /* out [hd] = x [hd] with its first r dims rotated to position p (r even, p < the tables' rows) */
 static void rotate(const float *x, const float *cos, const float *sin, int64_t r, int64_t hd,
@@ -168,7 +210,7 @@ static void rotary_task(void *data, size_t i) {
     for (int64_t g = 0; g < group; g++)
         rotate(q + g * hd, job->cos, job->sin, job->op->rotary, hd, p, rotary_scratch + g * hd);
     int64_t at = ((flat / job->s) * kv + h) * job->cap * hd;
-    attend_to(&job->op->base, rotary_scratch, group, job->k + at, job->v + at, hd, p, y);
+    attend_to(&job->op->base, rotary_scratch, group, job->k, job->v, at, hd, p, y);
 }
 
 static void rotary_compute(void *state, void *context) {
@@ -176,8 +218,8 @@ static void rotary_compute(void *state, void *context) {
     if (!op) return;  /* a node its create refused: no output */
     int64_t xd[8], kd[8], vd[8], pd[8], rd[8], cd[8], sd[8];
     size_t xr = 0, kr = 0, vr = 0, pr = 0, rr = 0, cr = 0, sr = 0;
-    const float *qkv = input_of(context, 0, xd, &xr), *k = input_of(context, 1, kd, &kr);
-    const float *v = input_of(context, 2, vd, &vr);
+    const float *qkv = input_of(context, 0, xd, &xr);
+    const void *k = input_of(context, 1, kd, &kr), *v = input_of(context, 2, vd, &vr);
     const int64_t *positions = input_of(context, 3, pd, &pr), *rows = input_of(context, 4, rd, &rr);
     const float *cos = input_of(context, 5, cd, &cr), *sin = input_of(context, 6, sd, &sr);
     if (xr == 2) {  /* [S, width]: one row of S tokens, as [1, S, width] */
@@ -194,9 +236,10 @@ static void rotary_compute(void *state, void *context) {
         failed(FN(API_KernelContext_GetOutput, get_output_t)(context, 1, kd, 4, &k_value)) ||
         failed(FN(API_KernelContext_GetOutput, get_output_t)(context, 2, vd, 4, &v_value)))
         return;
-    float *y = data_of(y_value), *kc = data_of(k_value), *vc = data_of(v_value);
+    float *y = data_of(y_value);
+    void *kc = data_of(k_value), *vc = data_of(v_value);
     if (!kc || !vc) return;
-    size_t cache = sizeof(float) * (size_t)(kd[0] * kd[1] * kd[2] * kd[3]);
+    size_t cache = kv_size(&op->base) * (size_t)(kd[0] * kd[1] * kd[2] * kd[3]);
     if (k && kc != k) memcpy(kc, k, cache);  /* not bound in place: the cache first */
     if (v && vc != v) memcpy(vc, v, cache);
     int bad = !qkv || !k || !v || !positions || !rows || !cos || !sin || pr != 2 || cr != 2 ||
@@ -211,13 +254,21 @@ static void rotary_compute(void *state, void *context) {
         return;
     }
     int64_t width = xd[2], cap = kd[2];
+    if (op->base.half && !grown(&rotary_scratch, &rotary_scratch_size, sizeof(float) * (size_t)hd))
+        return;  /* no output: onnxruntime reports the missing tensor */
     for (int64_t f = 0; f < xd[0] * xd[1]; f++) {  /* every position's key and value, stored */
         int64_t row = f / xd[1], p = positions[f];
         const float *x = qkv + f * width + heads * hd;
         for (int64_t h = 0; h < kv; h++) {
             int64_t at = ((row * kv + h) * cap + p) * hd;
-            rotate(x + h * hd, cos, sin, op->rotary, hd, p, kc + at);
-            memcpy(vc + at, x + (kv + h) * hd, sizeof(float) * (size_t)hd);
+            if (op->base.half) {
+                rotate(x + h * hd, cos, sin, op->rotary, hd, p, rotary_scratch);
+                to_half(rotary_scratch, hd, (uint16_t *)kc + at);
+                to_half(x + (kv + h) * hd, hd, (uint16_t *)vc + at);
+            } else {
+                rotate(x + h * hd, cos, sin, op->rotary, hd, p, (float *)kc + at);
+                memcpy((float *)vc + at, x + (kv + h) * hd, sizeof(float) * (size_t)hd);
+            }
         }
     }
     if (!y || rd[0] == 0) return;
@@ -243,6 +294,12 @@ static void *create_rotary(const void *unused_op, const void *unused, const void
     return op;
 }
 
+static void *create_rotary16(const void *unused_op, const void *unused, const void *info) {
+    RotaryAttention *op = create_rotary(unused_op, unused, info);
+    if (op) op->base.half = 1;
+    return op;
+}
+
 static const char *rotary_name(const void *op) { (void)op; return "RotaryCacheAttention"; }
 static int rotary_input_type(const void *op, size_t i) {
     (void)op;
@@ -252,3 +309,16 @@ static size_t rotary_inputs(const void *op) { (void)op; return 7; }
 static size_t three_outputs(const void *op) { (void)op; return 3; }
 static CustomOp rotary_op = CUSTOM_OP_N(create_rotary, rotary_name, rotary_input_type,
                                         rotary_inputs, three_outputs, rotary_compute, free);
+
+static const char *rotary16_name(const void *op) { (void)op; return "RotaryCacheAttention16"; }
+static int rotary16_input_type(const void *op, size_t i) {
+    (void)op;
+    return i == 3 || i == 4 ? ELEM_INT64 : i == 1 || i == 2 ? ELEM_FLOAT16 : ELEM_FLOAT;
+}
+static int rotary16_output_type(const void *op, size_t i) {
+    (void)op;
+    return i == 0 ? ELEM_FLOAT : ELEM_FLOAT16;
+}
+static CustomOp rotary16_op = CUSTOM_OP_TYPED(create_rotary16, rotary16_name, rotary16_input_type,
+                                              rotary_inputs, rotary16_output_type, three_outputs,
+                                              rotary_compute, free);

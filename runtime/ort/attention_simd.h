@@ -1,4 +1,5 @@
-/* CacheAttention's arithmetic (_q4kernel.c includes this file once, after q4_simd.h).
+/* CacheAttention's arithmetic (_q4kernel.c includes this file once, after q4_simd.h; the
+ * loops over the cache are in attention_kv.h, included here once a type of cache element).
  *
  * One query row attends over the keys and values of its own row of the cache, slots lo..p (p its
  * position; lo = p - window + 1 with a sliding window, else 0):
@@ -9,7 +10,10 @@
  * in float32, every sum in a fixed order that depends on p, the window and the head size only. So a query's
  * output is the same bit for bit whatever else the call holds (rows, S, other positions), and the
  * same on AVX-512 and AVX2 machines: the code is AVX2 and FMA throughout. exp is a degree-6
- * polynomial after the usual 2^n split (relative error about 2e-7). */
+ * polynomial after the usual 2^n split (relative error about 2e-7).
+ *
+ * The cache holds float32 or float16 keys and values; a float16 element is widened to float32
+ * as it is loaded (F16C), and everything after that is the float32 arithmetic. */
 #include <math.h>
 
 static INLINE AVX2 __m256 exp256(__m256 x) {
@@ -38,15 +42,6 @@ static INLINE AVX2 float sum256(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-#define ROWS_AHEAD 16 /* cache rows asked for ahead of the one being read */
-
-/* row j of rows [n, hd] into the cache, where j < n (the keys or values a loop reads soon) */
-static INLINE AVX2 void prefetch_row(const float *rows, int64_t j, int64_t n, int64_t hd) {
-    if (j >= n) return;
-    const char *p = (const char *)(rows + j * hd);
-    for (int64_t b = 0; b < hd * (int64_t)sizeof(float); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-}
-
 /* the sums of four vectors' lanes, [sum a0, ..., sum a3]: within each 128-bit half the pairs,
  * then the pairs of pairs, and last the two halves */
 static INLINE AVX2 __m128 sums4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
@@ -54,174 +49,24 @@ static INLINE AVX2 __m128 sums4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-/* e_g [j0 .. j0 + 3] for G (1 to 3) queries from q (q_g at q + g * hd) and four keys r[0..3]:
- * every key loaded once for the G queries, one sum of eight lanes a query and key; a head size
- * past a multiple of 8 adds its tail per key in order before the scale */
-static INLINE AVX2 void scores_block(int G, const float *q, const float *const *r, int64_t hd,
-                                     float scale, float *e, int64_t stride) {
-    int64_t wide = hd & ~(int64_t)7;
-    __m256 a[3][4];
-    for (int g = 0; g < G; g++)
-        for (int u = 0; u < 4; u++) a[g][u] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < wide; d += 8) {
-        __m256 x[3];
-        for (int g = 0; g < G; g++) x[g] = _mm256_loadu_ps(q + g * hd + d);
-        for (int u = 0; u < 4; u++) {
-            __m256 kd = _mm256_loadu_ps(r[u] + d);
-            for (int g = 0; g < G; g++) a[g][u] = _mm256_fmadd_ps(x[g], kd, a[g][u]);
-        }
-    }
-    for (int g = 0; g < G; g++) {
-        __m128 s = sums4(a[g][0], a[g][1], a[g][2], a[g][3]);
-        float *out = e + g * stride;
-        if (wide == hd) {
-            _mm_storeu_ps(out, _mm_mul_ps(_mm_set1_ps(scale), s));
-            continue;
-        }
-        _mm_storeu_ps(out, s);
-        for (int u = 0; u < 4; u++) {
-            float t = out[u];
-            for (int64_t d = wide; d < hd; d++) t += q[g * hd + d] * r[u][d];
-            out[u] = scale * t;
-        }
-    }
-}
+#define ROWS_AHEAD 16 /* cache rows asked for ahead of the one being read */
 
-/* e_g [n rounded up to 8] = scale * <q_g, k_j> for the group's G queries (q [G, hd], e_g at
- * e + g * stride) and the n keys from k: four keys at a time for three queries at a time (the
- * last block repeats the last key, and the padding up to 8 gets the last key's score too) */
-static INLINE AVX2 void scores(const float *q, int64_t group, const float *k, int64_t hd, int64_t n,
-                        float scale, float *e, int64_t stride) {
-    int64_t padded = (n + 7) & ~(int64_t)7;
-    for (int64_t j0 = 0; j0 < padded; j0 += 4) {
-        const float *r[4];
-        for (int u = 0; u < 4; u++) r[u] = k + (j0 + u < n ? j0 + u : n - 1) * hd;
-        for (int u = 0; u < 4; u++) prefetch_row(k, j0 + ROWS_AHEAD + u, n, hd);
-        for (int64_t g = 0; g < group; g += 3) {
-            int64_t left = group - g;
-            const float *qg = q + g * hd;
-            float *eg = e + g * stride + j0;
-            if (left >= 3) scores_block(3, qg, r, hd, scale, eg, stride);
-            else if (left == 2) scores_block(2, qg, r, hd, scale, eg, stride);
-            else scores_block(1, qg, r, hd, scale, eg, stride);
-        }
-    }
-}
+#define KV_T float
+#define KV_NAME(name) name##_f32
+#define KV_LOAD8(p) _mm256_loadu_ps(p)
+#define KV_SCALAR(p) (*(p))
+#include "attention_kv.h"
+#undef KV_T
+#undef KV_NAME
+#undef KV_LOAD8
+#undef KV_SCALAR
 
-#define VALUE_BLOCK 32 /* value rows a block, read once for the whole group */
-
-/* y_g [d .. d + 31] += sum_j e_g[j] v_j[d .. d + 31] over rows j0 .. j1 - 1, for G (1 to 3)
- * queries: each 8 values of a row loaded once for the G queries, every output summed in row
- * order */
-static INLINE AVX2 void values_block(int G, const float *e, int64_t stride, const float *v,
-                                     int64_t hd, int64_t j0, int64_t j1, float *y, int64_t ahead) {
-    __m256 a[3][4];
-    for (int g = 0; g < G; g++)
-        for (int c = 0; c < 4; c++) a[g][c] = _mm256_loadu_ps(y + g * hd + 8 * c);
-    for (int64_t j = j0; j < j1; j++) {
-        prefetch_row(v, j + ROWS_AHEAD, ahead, hd);  /* ahead: the rows to ask for (0: none) */
-        __m256 w[3];
-        for (int g = 0; g < G; g++) w[g] = _mm256_set1_ps(e[g * stride + j]);
-        const float *r = v + j * hd;
-        for (int c = 0; c < 4; c++) {
-            __m256 vc = _mm256_loadu_ps(r + 8 * c);
-            for (int g = 0; g < G; g++) a[g][c] = _mm256_fmadd_ps(w[g], vc, a[g][c]);
-        }
-    }
-    for (int g = 0; g < G; g++)
-        for (int c = 0; c < 4; c++) _mm256_storeu_ps(y + g * hd + 8 * c, a[g][c]);
-}
-
-/* y_g [hd] = sum_j e_g[j] v_j over the n value rows from v (y [G, hd], e_g at e + g * stride),
- * each output summed in row order: where hd is a multiple of 32, a block of rows after another,
- * and in each, 32 outputs of up to three queries at a time in registers; else through y */
-static INLINE AVX2 void weighted_values(const float *e, int64_t stride, int64_t group, const float *v,
-                                 int64_t hd, int64_t n, float *y) {
-    for (int64_t i = 0; i < group * hd; i++) y[i] = 0.f;
-    if (hd % 32 == 0) {
-        for (int64_t j0 = 0; j0 < n; j0 += VALUE_BLOCK)  /* a block's rows, all outputs */
-            for (int64_t d = 0; d < hd; d += 32) {
-                int64_t j1 = j0 + VALUE_BLOCK < n ? j0 + VALUE_BLOCK : n;
-                for (int64_t g = 0; g < group; g += 3) {
-                    int64_t left = group - g;
-                    const float *eg = e + g * stride;
-                    float *yg = y + g * hd + d;
-                    /* the first pass over a block asks for the rows ahead, whole */
-                    int64_t ahead = d == 0 && g == 0 ? n : 0;
-                    if (left >= 3) values_block(3, eg, stride, v + d, hd, j0, j1, yg, ahead);
-                    else if (left == 2) values_block(2, eg, stride, v + d, hd, j0, j1, yg, ahead);
-                    else values_block(1, eg, stride, v + d, hd, j0, j1, yg, ahead);
-                }
-            }
-        return;
-    }
-    int64_t wide = hd & ~(int64_t)7;
-    for (int64_t g = 0; g < group; g++) {
-        float *out = y + g * hd;
-        const float *w = e + g * stride;
-        for (int64_t j = 0; j < n; j++) {
-            const float *r = v + j * hd;
-            __m256 wj = _mm256_set1_ps(w[j]);
-            for (int64_t d = 0; d < wide; d += 8)
-                _mm256_storeu_ps(out + d, _mm256_fmadd_ps(wj, _mm256_loadu_ps(r + d), _mm256_loadu_ps(out + d)));
-            for (int64_t d = wide; d < hd; d++) out[d] += w[j] * r[d];
-        }
-    }
-}
-
-/* y [G, hd] = the attention of a group's queries q [G, hd] over keys k and values v [slots, hd]
- * (their KV head's rows of one cache row), slots lo..hi inclusive; e: scratch of
- * G * (hi - lo + 8) floats. `attend` below runs it. */
-static INLINE AVX2 void attend_body(const float *q, int64_t group, const float *k, const float *v, int64_t hd,
-                        int64_t lo, int64_t hi, float scale, float softcap, float *e, float *y) {
-    int64_t n = hi - lo + 1, padded = (n + 7) & ~(int64_t)7;
-    scores(q, group, k + lo * hd, hd, n, scale, e, padded);
-    for (int64_t g = 0; g < group; g++) {
-        float *eg = e + g * padded;
-        if (softcap > 0)
-            for (int64_t j = 0; j < n; j++) eg[j] = softcap * tanhf(eg[j] / softcap);
-        for (int64_t j = n; j < padded; j++) eg[j] = -INFINITY;  /* exp -> 0 */
-        __m256 top = _mm256_loadu_ps(eg);  /* the largest score: a maximum is exact in any order */
-        for (int64_t j = 8; j < padded; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(eg + j));
-        __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-        t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
-        t4 = _mm_max_ss(t4, _mm_movehdup_ps(t4));
-        __m256 mx = _mm256_set1_ps(_mm_cvtss_f32(t4)), total = _mm256_setzero_ps();
-        for (int64_t j = 0; j < padded; j += 8) {
-            __m256 x = exp256(_mm256_sub_ps(_mm256_loadu_ps(eg + j), mx));
-            _mm256_storeu_ps(eg + j, x);
-            total = _mm256_add_ps(total, x);
-        }
-        float inv = 1.0f / sum256(total);  /* folded into the weights: y = sum_j (e_j / sum) v_j */
-        __m256 iv = _mm256_set1_ps(inv);
-        for (int64_t j = 0; j < padded; j += 8)
-            _mm256_storeu_ps(eg + j, _mm256_mul_ps(_mm256_loadu_ps(eg + j), iv));
-    }
-    weighted_values(e, padded, group, v + lo * hd, hd, n, y);
-}
-
-/* attend_body compiled apart for common head sizes and query groups (SmolLM2's 64 and 3,
- * Llama 3.2 1B's 64 and 4, Llama 3 8B's 128 and 4), and for the head sizes alone: the loops
- * over a head and a group then have fixed bounds (an attention over 256 positions about 0.83x
- * the time at 8 rows). The same operations run in the same order, so the same bits. */
-#define ATTEND_FIXED(name, HD, G)                                                             \
-    static AVX2 void name(const float *q, int64_t group, const float *k, const float *v,        \
-                          int64_t lo, int64_t hi, float scale, float softcap, float *e,         \
-                          float *y) {                                                           \
-        attend_body(q, (G) ? (G) : group, k, v, HD, lo, hi, scale, softcap, e, y);              \
-    }
-ATTEND_FIXED(attend_64_3, 64, 3)
-ATTEND_FIXED(attend_64_4, 64, 4)
-ATTEND_FIXED(attend_128_4, 128, 4)
-ATTEND_FIXED(attend_64, 64, 0)
-ATTEND_FIXED(attend_128, 128, 0)
-
-static AVX2 void attend(const float *q, int64_t group, const float *k, const float *v, int64_t hd,
-                        int64_t lo, int64_t hi, float scale, float softcap, float *e, float *y) {
-    if (hd == 64 && group == 3) attend_64_3(q, group, k, v, lo, hi, scale, softcap, e, y);
-    else if (hd == 64 && group == 4) attend_64_4(q, group, k, v, lo, hi, scale, softcap, e, y);
-    else if (hd == 128 && group == 4) attend_128_4(q, group, k, v, lo, hi, scale, softcap, e, y);
-    else if (hd == 64) attend_64(q, group, k, v, lo, hi, scale, softcap, e, y);
-    else if (hd == 128) attend_128(q, group, k, v, lo, hi, scale, softcap, e, y);
-    else attend_body(q, group, k, v, hd, lo, hi, scale, softcap, e, y);
-}
+#define KV_T uint16_t
+#define KV_NAME(name) name##_f16
+#define KV_LOAD8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define KV_SCALAR(p) _cvtsh_ss(*(p))
+#include "attention_kv.h"
+#undef KV_T
+#undef KV_NAME
+#undef KV_LOAD8
+#undef KV_SCALAR

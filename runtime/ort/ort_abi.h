@@ -148,11 +148,14 @@ static OrtStatus *create_checked(const void *op, const void *table, const void *
     return FN(API_CreateStatus, create_status_t)(2, message);  /* ORT_INVALID_ARGUMENT */
 }
 
-/* an op of `outputs` float outputs, run on the CPU, every input required */
-#define CUSTOM_OP_N(create, name, input_type, inputs, outputs, compute, destroy)          \
-    {API_VERSION, create, name, cpu, input_type, inputs, output_type, outputs,             \
-     compute, destroy, required, required, default_memory, one, one, one, one,            \
-     create_checked, NULL, NULL, first_version, last_version, no_pairs, release_pairs,    \
+/* an op of `outputs` outputs of the types out_type gives, run on the CPU, every input required */
+#define CUSTOM_OP_TYPED(create, name, input_type, inputs, out_type, outputs, compute, destroy) \
+    {API_VERSION, create, name, cpu, input_type, inputs, out_type, outputs,                 \
+     compute, destroy, required, required, default_memory, one, one, one, one,              \
+     create_checked, NULL, NULL, first_version, last_version, no_pairs, release_pairs,      \
      no_pairs, release_pairs, {0}}
+/* ... of float outputs */
+#define CUSTOM_OP_N(create, name, input_type, inputs, outputs, compute, destroy) \
+    CUSTOM_OP_TYPED(create, name, input_type, inputs, output_type, outputs, compute, destroy)
 #define CUSTOM_OP(create, name, input_type, inputs, compute, destroy) \
     CUSTOM_OP_N(create, name, input_type, inputs, one_output, compute, destroy)

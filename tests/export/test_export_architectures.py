@@ -276,10 +276,13 @@ def test_family_int4_export_is_exact_under_speculation(name, opset, sources, tmp
     cache = kernels.available() and opset is None
     ops = [n.op_type for n in onnx.load(str(out / m.entry_points["verify"].graph),
                                         load_external_data=False).graph.node]
-    if cache:  # the fused node where a layer rotates and has no q/k norms (not Qwen3, Gemma 3)
-        assert ops.count("CacheAttention") + ops.count("RotaryCacheAttention") == \
+    if cache:  # the fused node where a layer rotates and has no q/k norms (not Qwen3, Gemma 3);
+        # a float16 KV cache by default, read and written by the ...16 ops
+        assert m.extra["kv_cache"] == "fp16"
+        assert ops.count("CacheAttention16") + ops.count("RotaryCacheAttention16") == \
             m.architecture.num_layers
-        assert ("RotaryCacheAttention" in ops) == (name not in ("qwen3", "gemma3"))
+        assert ("RotaryCacheAttention16" in ops) == (name not in ("qwen3", "gemma3"))
+        assert ops.count("Cast") >= 2 * ops.count("CacheAttention16")  # k, v before the scatter
     else:
         assert ops.count("GroupQueryAttention") == m.architecture.num_layers
     assert m.extra["attention"] == ("CacheAttention" if cache else "GroupQueryAttention")
@@ -376,7 +379,7 @@ def test_family_int4_window_flavour_attends_with_cache_attention_exactly(name, s
     assert m.min_call_rows == 1  # no onnxruntime matmul left: a lone row needs no copy
     graph = onnx.load(str(out / m.entry_points["verify"].graph), load_external_data=False)
     ops = [n.op_type for n in graph.graph.node]
-    assert ops.count("RotaryCacheAttention") == m.architecture.num_layers  # rotary inside
+    assert ops.count("RotaryCacheAttention16") == m.architecture.num_layers  # rotary inside
     assert "Softmax" not in ops and "Slice" not in ops  # the cache is read in place
     assert "TensorScatter" not in ops and "RotaryEmbedding" not in ops
     _check_greedy_identity(out)

@@ -140,7 +140,9 @@ def test_int4_export_records_its_weights_and_validates_rows_exactly(int4_dir):
     v = m.extra["validation"]
     assert v["step_vs_verify"] == 0.0 and v["bound_step_vs_verify"] == 0.0
     assert v["verify_vs_pytorch"] <= v["bound_vs_pytorch"]
-    attends = "RotaryCacheAttention" if cache else "GroupQueryAttention"  # tiny llama: rotary
+    # tiny llama: rotary; on ortspec's kernels a float16 KV cache, the default there
+    attends = "RotaryCacheAttention16" if cache else "GroupQueryAttention"
+    assert m.extra["kv_cache"] == ("fp16" if cache else "fp32")
     assert _op_count(int4_dir, attends) == m.architecture.num_layers
     if cache:  # flat rows from the qkv product into the attention and on to the o product
         nodes = onnx.load(str(int4_dir / "model.onnx"), load_external_data=False).graph.node
@@ -358,11 +360,42 @@ def test_head_and_scheme_choices_export_validated_and_exact(sources, tmp_path, l
     (dict(quant="int4", kernel="mlas"), "kernel must be one of"),
     (dict(kernel="ortspec"), "needs quant='int4' and quant_scheme='block-min'"),
     (dict(quant="int4", quant_scheme="symmetric", kernel="ortspec"), "quant_scheme='block-min'"),
+    (dict(quant="int4", kv_cache="int8"), "kv_cache must be one of"),
+    (dict(kv_cache="fp16"), "needs a graph attending with ortspec's kernels"),
+    (dict(quant="int4", kernel="onnxruntime", kv_cache="fp16"), "attending with ortspec's"),
 ])
 def test_bad_quant_options_are_refused_before_anything_is_read(kwargs, needle, tmp_path):
     with pytest.raises(ExportOptionError, match=needle):
         export_model(tmp_path / "missing", out=tmp_path / "out", progress=False, **kwargs)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(not kernels.available(), reason="ortspec's kernel library is not built")
+def test_kv_cache_fp32_keeps_a_float32_cache_on_ortspecs_kernels(sources, tmp_path):
+    """The default int4 export on ortspec's kernels keeps its KV cache in float16; kv_cache="fp32"
+    (--kv-cache fp32) keeps float32 and the float32 ops. Both validate against PyTorch and
+    compute every verify row as its step, bit for bit, and their logits differ by no more than
+    each's own distance to PyTorch allows."""
+    outs = {}
+    for kv in (None, "fp32"):
+        outs[kv] = export_model(sources["llama"], out=tmp_path / f"kv-{kv}", capacity=CAP,
+                                max_verify_len=VERIFY, progress=False, quant="int4", kv_cache=kv)
+    for kv, dtype, op in ((None, np.float16, "RotaryCacheAttention16"),
+                          ("fp32", np.float32, "RotaryCacheAttention")):
+        m = mf.read_manifest(outs[kv])
+        assert m.extra["kv_cache"] == np.dtype(dtype).name.replace("float", "fp")
+        assert _op_count(outs[kv], op) == m.architecture.num_layers
+        assert sessions.OrtSessions(outs[kv], threads=1).kv_dtype is dtype
+        v = m.extra["validation"]
+        assert v["step_vs_verify"] == 0.0 and v["verify_vs_pytorch"] <= v["bound_vs_pytorch"]
+    ids = _ids(40, seed=3)
+    logits = {}
+    for kv, out in outs.items():
+        dec = OrtDecoder(out)
+        dec.prefill(ids[:-1])
+        logits[kv] = dec.forward_token(ids[-1])
+    bound = mf.read_manifest(outs[None]).extra["validation"]["bound_vs_pytorch"]
+    assert 0 < np.abs(logits[None] - logits["fp32"]).max() <= 2 * bound
 
 
 def test_cli_exports_an_int4_target(sources, tmp_path, capsys):
@@ -385,7 +418,7 @@ def test_a_draft_names_the_attention_op_of_its_own_graph(sources, tmp_path):
     out = export_model(sources["llama"], out=tmp_path / "m", capacity=CAP, max_verify_len=VERIFY,
                        progress=False, quant="int4", draft_layers=1)
     draft = out / "drafts" / "layers1-int4"  # a quantized target's draft is quantized too
-    for directory, op, node in ((out, "CacheAttention", "RotaryCacheAttention"),
+    for directory, op, node in ((out, "CacheAttention", "RotaryCacheAttention16"),
                                 (draft, "GroupQueryAttention", "GroupQueryAttention")):
         assert mf.read_manifest(directory).extra["attention"] == op
         assert _op_count(directory, node) > 0

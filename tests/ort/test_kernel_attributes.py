@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not kernels.available(),
                                 reason="ortspec's kernel library is not built")
 
 K, N = 64, 32
-F, I64 = TensorProto.FLOAT, TensorProto.INT64
+F, H, I64 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT64
 
 
 def _q4_weights() -> list:
@@ -25,7 +25,9 @@ def _q4_weights() -> list:
 
 
 def _session(op: str, inputs: list[tuple[str, int]], outputs: int, attrs: dict, path):
-    """A one-node graph of ortspec's `op`; inputs named q, d, m, g are the initializers."""
+    """A one-node graph of ortspec's `op`; inputs named q, d, m, g are the initializers. The
+    outputs are float, but a float16-cache op's cache outputs (as its inputs key and value)."""
+    kinds = [H if op.endswith("16") and i > 0 else F for i in range(outputs)]
     inits = [t for t in _q4_weights() if t.name in {name for name, _ in inputs}]
     names = [name for name, _ in inputs]
     node = helper.make_node(op, names, [f"out{i}" for i in range(outputs)], domain="ortspec",
@@ -34,7 +36,8 @@ def _session(op: str, inputs: list[tuple[str, int]], outputs: int, attrs: dict, 
         [node], "one_op",
         [helper.make_tensor_value_info(name, kind, None) for name, kind in dict(inputs).items()
          if name not in {t.name for t in inits}],
-        [helper.make_tensor_value_info(f"out{i}", F, None) for i in range(outputs)], inits)
+        [helper.make_tensor_value_info(f"out{i}", kind, None) for i, kind in enumerate(kinds)],
+        inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
                                                     helper.make_opsetid("ortspec", 1)])
     path.write_bytes(model.SerializeToString())
@@ -46,6 +49,8 @@ NORM = [*Q4, ("x", F), ("g", F)]
 ATTENTION = [("q_in", F), ("key", F), ("value", F), ("pos", I64), ("rows", I64)]
 ROTARY = [("qkv", F), ("key", F), ("value", F), ("pos", I64), ("rows", I64), ("cos", F),
           ("sin", F)]
+ATTENTION16 = [(name, H if name in ("key", "value") else kind) for name, kind in ATTENTION]
+ROTARY16 = [(name, H if name in ("key", "value") else kind) for name, kind in ROTARY]
 
 
 @pytest.mark.parametrize("op, inputs, outputs, attrs", [
@@ -56,8 +61,11 @@ ROTARY = [("qkv", F), ("key", F), ("value", F), ("pos", I64), ("rows", I64), ("c
     ("Q4GemmSwiGluNorm", NORM, 2, dict(K=K, N=N)),                 # no epsilon
     ("CacheAttention", ATTENTION, 1, dict(scale=0.125)),           # no num_heads
     ("RotaryCacheAttention", ROTARY, 3, dict(num_heads=2, scale=0.125, rotary_dim=7)),
+    ("CacheAttention16", ATTENTION16, 1, dict(scale=0.125)),       # no num_heads
+    ("RotaryCacheAttention16", ROTARY16, 3, dict(num_heads=2, scale=0.125, rotary_dim=7)),
 ], ids=["Q4Gemm-no-N", "Q4Gemm-N-24", "Q4GemmSwiGlu-K-40", "Q4GemmNorm-no-epsilon",
-        "Q4GemmSwiGluNorm-no-epsilon", "CacheAttention-no-heads", "Rotary-odd-dim"])
+        "Q4GemmSwiGluNorm-no-epsilon", "CacheAttention-no-heads", "Rotary-odd-dim",
+        "CacheAttention16-no-heads", "Rotary16-odd-dim"])
 def test_a_node_the_op_cannot_run_is_refused_naming_the_op(op, inputs, outputs, attrs,
                                                            tmp_path):
     with pytest.raises(Exception, match=rf"ortspec\.{op}: the node's attributes"):
