@@ -44,6 +44,7 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #define ORTSPEC_X86 1
 #include "q4_simd.h"
+#include "q4_amx.h"
 #include "attention_simd.h"
 #else
 #define QK 32
@@ -64,13 +65,21 @@ static void parallel(void *context, void (*fn)(void *, size_t), size_t total, vo
 
 static int isa = -1, forced_isa = -1;
 
-/* 2: AVX-512 VNNI, 1: AVX2 and FMA, 0: no kernel for this CPU */
+/* 3: AVX-512 VNNI and AMX-INT8 (products of several rows on AMX), 2: AVX-512 VNNI, 1: AVX2 and
+ * FMA, 0: no kernel for this CPU */
 int ortspec_q4_isa(void) {
-    if (isa < 0) isa = detect_isa();
+    if (isa < 0) {
+        int best = detect_isa();
+#ifdef ORTSPEC_AMX
+        if (best == 2 && amx_usable()) best = 3;
+#endif
+        isa = best;
+    }
     return forced_isa >= 0 && forced_isa < isa ? forced_isa : isa;
 }
 
-/* tests: run the AVX2 kernels on an AVX-512 machine (1), or the best again (-1) */
+/* tests: run the AVX2 kernels on an AVX-512 machine (1), AVX-512 without AMX (2), or the best
+ * again (-1) */
 void ortspec_q4_force_isa(int level) { forced_isa = level; }
 
 /* *buf holds at least `need` bytes (grown as needed); 0 where memory ran out */

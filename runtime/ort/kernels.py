@@ -27,7 +27,7 @@ DOMAIN = "ortspec"
 OP = "Q4Gemm"
 _MODULE = "ortspec.runtime.ort._q4kernel"
 _MARK = "ortspec.kernels.registered"  # a session config entry: the library is on these options
-ISA_NAMES = {0: "none", 1: "avx2", 2: "avx512-vnni"}
+ISA_NAMES = {0: "none", 1: "avx2", 2: "avx512-vnni", 3: "avx512-vnni+amx"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -52,7 +52,8 @@ def _library() -> ctypes.CDLL | None:
 
 
 def isa() -> int:
-    """Which kernel runs here: 2 AVX-512 VNNI, 1 AVX2, 0 none (or no library)."""
+    """Which kernel runs here: 3 AVX-512 VNNI with AMX-INT8 (for products of several rows),
+    2 AVX-512 VNNI, 1 AVX2, 0 none (or no library)."""
     lib = _library()
     return 0 if lib is None else int(lib.ortspec_q4_isa())
 

@@ -14,7 +14,14 @@ typedef struct {  /* what a kernel multiplies by */
 
 #ifdef ORTSPEC_X86
 static void run_tiles(const Weight *w, const Activations *a, float *y, int64_t t0, int64_t t1) {
-    int wide = ortspec_q4_isa() == 2;
+    int level = ortspec_q4_isa(), wide = level >= 2;
+#ifdef ORTSPEC_AMX
+    if (level == 3 && a->rows >= AMX_MIN_ROWS) {  /* (fewer: AVX-512, the same bits) */
+        if (w->op == OP_Q4) q4_tiles_amx(a, w->q, w->d, w->m, y, t0, t1);
+        else q8_tiles_amx(a, w->q, w->d, y, t0, t1);
+        return;
+    }
+#endif
     if (w->op == OP_Q4) {
         if (wide) q4_tiles512(a, w->q, w->d, w->m, y, t0, t1);
         else q4_tiles256(a, w->q, w->d, w->m, y, t0, t1);
@@ -57,7 +64,7 @@ static __thread size_t scratch_size;
 static int product(const Weight *w, const float *x, int64_t rows, float *y, void *context) {
 #ifdef ORTSPEC_X86
     int64_t nb = w->k / QK, stride = w->k + QX_PAD;
-    int wide = ortspec_q4_isa() == 2;
+    int wide = ortspec_q4_isa() >= 2;
     if (!wide && rows > AVX2_SLAB_ROWS) {  /* (a row's result is the same in any slab) */
         for (int64_t r = 0; r < rows; r += AVX2_SLAB_ROWS) {
             int64_t slab = rows - r < AVX2_SLAB_ROWS ? rows - r : AVX2_SLAB_ROWS;

@@ -22,7 +22,7 @@ from ortspec.runtime.ort.sessions import open_session, session_options
 pytestmark = pytest.mark.skipif(not kernels.available(),
                                 reason="the kernel library is not built or this CPU lacks AVX2")
 
-ISAS = [i for i in (2, 1) if i <= kernels.isa()]  # AVX-512 VNNI where present, and AVX2
+ISAS = [i for i in (3, 2, 1) if i <= kernels.isa()]  # AMX, AVX-512 VNNI where present, and AVX2
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +125,26 @@ def test_every_row_of_a_call_is_bitwise_the_row_called_alone(lib, isa):
     alone = np.stack([_gemm(lib, v[None], qw)[0] for v in x])
     for rows in range(1, 20):
         np.testing.assert_array_equal(_gemm(lib, x[:rows], qw), alone[:rows], err_msg=f"{rows}")
+
+
+@pytest.mark.skipif(3 not in ISAS, reason="this CPU (or its kernel) gives no AMX tiles")
+@pytest.mark.parametrize("k", [96, 576])
+def test_a_call_on_amx_tiles_is_each_row_alone_on_avx512(lib, q8lib, k):
+    """Calls of AMX_MIN_ROWS (32) rows or more multiply on AMX tiles, 16 rows a group: every row
+    of such a call, in full and partial groups and over blocks in chunks of 8 with an odd last
+    pair (k = 96: 3 blocks; 576: 18), is bit for bit the lone row on AVX-512, 4-bit and 8-bit."""
+    rng = np.random.default_rng(5)
+    qw = quantize_q4gemm(_q4_1_weight(rng, 48, k))
+    b, scales, _ = _q8_weight(rng, 48, k)
+    x = _activations(rng, 50, k)
+    lib.ortspec_q4_force_isa(2)
+    alone = np.stack([_gemm(lib, v[None], qw)[0] for v in x])
+    alone8 = np.stack([_q8(q8lib, v[None], b, scales)[0] for v in x])
+    lib.ortspec_q4_force_isa(3)
+    for rows in (32, 33, 47, 50):
+        np.testing.assert_array_equal(_gemm(lib, x[:rows], qw), alone[:rows], err_msg=f"{rows}")
+        np.testing.assert_array_equal(_q8(q8lib, x[:rows], b, scales), alone8[:rows],
+                                      err_msg=f"{rows}")
 
 
 @pytest.mark.parametrize("isa", ISAS)
