@@ -118,8 +118,6 @@ static AVX512 INLINE void q4_tile512(int R, const Activations *a, int64_t r0, co
     __m512 acc[ROWS512_Q4];
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    const __m512 zero = _mm512_setzero_ps(), fifteen = _mm512_set1_ps(15.f);
     for (int64_t b = 0; b < nb; b++) {
         __m512i w[8];
         prefetch(q + b * 256, PREFETCH_AHEAD, 4);
@@ -127,29 +125,15 @@ static AVX512 INLINE void q4_tile512(int R, const Activations *a, int64_t r0, co
             prefetch(d + b * TILE, PREFETCH_AHEAD / 8, 1);
             prefetch(m + b * TILE, PREFETCH_AHEAD / 8, 1);
         }
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; j++) {
-            __m512i packed = _mm512_loadu_si512((const void *)(q + b * 256 + j * 64));
-            w[j] = _mm512_and_si512(packed, low);
-            w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-        }
-        __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + b * TILE)));
-        __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + b * TILE)));
-        __mmask16 nonzero = _mm512_cmp_ps_mask(dv, zero, _CMP_NEQ_OQ);
-        __m512 z = _mm512_maskz_div_ps(nonzero, _mm512_sub_ps(zero, mv), dv);
-        z = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(z, _MM_FROUND_TO_NEAREST_INT |
-                                                                  _MM_FROUND_NO_EXC), zero), fifteen);
-        __m512 off = _mm512_fmadd_ps(z, dv, mv), nzd = _mm512_sub_ps(zero, _mm512_mul_ps(z, dv));
+        q4_split512(q, b, w);
+        Q4Terms t = q4_terms512(d, m, b);
 #pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
             const int32_t *xr = (const int32_t *)(qx + r * stride + b * QK);
             __m512i s = _mm512_setzero_si512();
 #pragma GCC unroll 8
             for (int g = 0; g < 8; g++) s = _mm512_dpbusd_epi32(s, w[g], _mm512_set1_epi32(xr[g]));
-            __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(sx[r * nb + b]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
-            acc[r] = _mm512_fmadd_ps(nzd, _mm512_set1_ps(qs[r * nb + b]), acc[r]);
-            acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(bx[r * nb + b]), acc[r]);
+            acc[r] = q4_add512(acc[r], s, &t, sx[r * nb + b], qs[r * nb + b], bx[r * nb + b]);
         }
     }
 #pragma GCC unroll 16
