@@ -108,6 +108,46 @@ static AVX2 void broadcast_rows(const int8_t *qx, int64_t rows, int64_t k, int64
         }
 }
 
+/* ---- Q4: a tile-block's weights and terms (the AVX-512 and AMX kernels) ------------------- */
+
+/* block b of a Q4 tile as 8 vectors of its 4-bit values, w[g] holding inputs 4g..4g+3 of each
+ * output: the low nibbles are inputs 0..15, the high ones 16..31 */
+static AVX512 INLINE void q4_split512(const uint8_t *q, int64_t b, __m512i *w) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        __m512i packed = _mm512_loadu_si512((const void *)(q + b * 256 + j * 64));
+        w[j] = _mm512_and_si512(packed, low);
+        w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+    }
+}
+
+/* what block b of a Q4 tile adds to a row besides its int8 sums: d, and (see the top) the
+ * centring's -z * d and the offset o = m + z * d, 16 outputs each */
+typedef struct { __m512 dv, nzd, off; } Q4Terms;
+
+static AVX512 INLINE Q4Terms q4_terms512(const uint16_t *d, const uint16_t *m, int64_t b) {
+    const __m512 zero = _mm512_setzero_ps(), fifteen = _mm512_set1_ps(15.f);
+    __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + b * TILE)));
+    __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + b * TILE)));
+    __mmask16 nonzero = _mm512_cmp_ps_mask(dv, zero, _CMP_NEQ_OQ);
+    __m512 z = _mm512_maskz_div_ps(nonzero, _mm512_sub_ps(zero, mv), dv);
+    z = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(z, _MM_FROUND_TO_NEAREST_INT |
+                                                              _MM_FROUND_NO_EXC), zero), fifteen);
+    Q4Terms t = {dv, _mm512_sub_ps(zero, _mm512_mul_ps(z, dv)), _mm512_fmadd_ps(z, dv, mv)};
+    return t;
+}
+
+/* acc plus a row's block: its int32 sums s scaled by d * sx, then -z * d * qs and o * bx, in
+ * this order (every kernel adds a block so, whatever computed s) */
+static AVX512 INLINE __m512 q4_add512(__m512 acc, __m512i s, const Q4Terms *t, float sx, float qs,
+                                      float bx) {
+    __m512 scale = _mm512_mul_ps(t->dv, _mm512_set1_ps(sx));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc);
+    acc = _mm512_fmadd_ps(t->nzd, _mm512_set1_ps(qs), acc);
+    return _mm512_fmadd_ps(t->off, _mm512_set1_ps(bx), acc);
+}
+
 /* ---- Q4: R rows x one tile, all blocks ---------------------------------------------------- */
 
 static AVX512 INLINE void q4_tile512(int R, const Activations *a, int64_t r0, const uint8_t *q,
