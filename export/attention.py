@@ -395,6 +395,12 @@ def half_cache(options: GraphOptions) -> bool:
     return options.cache_dtype == "fp16" and options.dtype == "fp32" and attends_with_cache(options)
 
 
+def _cache_op(b: GraphBuilder, name: str) -> str:
+    """The ortspec op `name` (CacheAttention or RotaryCacheAttention) in the graph's cache type:
+    its float16-cache version where the graph keeps one (`half_cache`)."""
+    return name + (HALF_CACHE_SUFFIX if half_cache(b.options) else "")
+
+
 def attends_with_cache(options: GraphOptions) -> bool:
     """Whether a graph attends with ortspec.CacheAttention: a window or (at opset 24 and above)
     gqa graph whose products run on ortspec's kernels (WeightQuant.kernel "ortspec"), which
@@ -428,7 +434,7 @@ def _attend_cache(b: GraphBuilder, i: int, qkv: str, ctx: dict[str, str], *, row
         attrs = _cache_attention_attrs(b, i)
         attrs["rotary_dim"] = int(spec.rotary_dims)
         y, _, _ = b.g.op(
-            ROTARY_CACHE_ATTENTION_OP + (HALF_CACHE_SUFFIX if half_cache(b.options) else ""),
+            _cache_op(b, ROTARY_CACHE_ATTENTION_OP),
             [qkv, gio.past_key_name(i), gio.past_value_name(i), ctx["position_ids"], rows,
              *spec.rope_tables(i)], 3, domain=ORTSPEC_DOMAIN, name=f"layers.{i}.attn",
             outputs=[f"layers.{i}.attn/out0", gio.present_key_name(i),
@@ -454,8 +460,7 @@ def _cache_attention(b: GraphBuilder, i: int, q: str, key: str, value: str,
     its position (or its sliding window), read in place: no slice of the cache, no mask, no
     padded query; [M, heads * hd]. Every query is computed alone in a fixed order, so a row's
     output is the same whatever the call holds."""
-    op = CACHE_ATTENTION_OP + (HALF_CACHE_SUFFIX if half_cache(b.options) else "")
-    return b.g.op1(op, [q, key, value, ctx["position_ids"], rows],
+    return b.g.op1(_cache_op(b, CACHE_ATTENTION_OP), [q, key, value, ctx["position_ids"], rows],
                    domain=ORTSPEC_DOMAIN, name=f"layers.{i}.attn", **_cache_attention_attrs(b, i))
 
 

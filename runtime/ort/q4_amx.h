@@ -135,9 +135,9 @@ static AMX INLINE void q4_tile_amx(int R, const Activations *a, int64_t r0, cons
 
 /* ---- Q8: R rows x one tile ---------------------------------------------------------------- */
 
+/* (the Q8 tile-blocks are B tiles as stored: nothing to split) */
 static AMX INLINE void q8_tile_amx(int R, const Activations *a, int64_t r0, const uint8_t *q,
-                                   const float *d, float *y, int32_t *sums, uint8_t *wbuf) {
-    (void)wbuf;  /* the Q8 tile-blocks are B tiles as stored */
+                                   const float *d, float *y, int32_t *sums) {
     const int64_t nb = a->k / QK, stride = a->stride;
     const int8_t *qx = a->qx + r0 * stride;
     const float *sx = a->sx + r0 * nb;
@@ -152,16 +152,15 @@ static AMX INLINE void q8_tile_amx(int R, const Activations *a, int64_t r0, cons
             prefetch(d + b * TILE, PREFETCH_AHEAD / 8, 1);
         }
         amx_sums(b1 - b0, qx + b0 * QK, stride, q + b0 * 512, 512, sums);
-        for (int64_t b = b0; b < b1; b++) {  /* q8_tile512's arithmetic */
+        for (int64_t b = b0; b < b1; b++) {  /* each row scales them as q8_tile512 does */
             const int32_t *s = sums + (b - b0) * ROWS_AMX * TILE;
             __m512 dv = _mm512_loadu_ps(d + b * TILE);
 #pragma GCC unroll 16
-            for (int r = 0; r < R; r++) {
-                __m512i sr = _mm512_add_epi32(_mm512_load_si512((const void *)(s + r * TILE)),
-                                              _mm512_set1_epi32(-128 * ix[r * nb + b]));
-                __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(sx[r * nb + b]));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sr), scale, acc[r]);
-            }
+            for (int r = 0; r < R; r++)
+                acc[r] = q8_add512(acc[r],
+                                   _mm512_add_epi32(_mm512_load_si512((const void *)(s + r * TILE)),
+                                                    _mm512_set1_epi32(-128 * ix[r * nb + b])),
+                                   dv, sx[r * nb + b]);
         }
     }
 #pragma GCC unroll 16
@@ -170,23 +169,13 @@ static AMX INLINE void q8_tile_amx(int R, const Activations *a, int64_t r0, cons
 
 /* ---- every row of output tiles [t0, t1) --------------------------------------------------- */
 
-#define AMX_CASE(T, R, ...) case R: T(R, a, r, __VA_ARGS__); break;
 /* groups of up to 16 rows, each group over tiles [t0, t1) with the tiles configured for it */
 #define AMX_ROW_GROUPS(T, ...)                                                          \
     for (int64_t r = 0; r < a->rows; r += ROWS_AMX) {                                      \
         int R = a->rows - r >= ROWS_AMX ? ROWS_AMX : (int)(a->rows - r);                   \
         amx_configure(R);                                                                  \
         for (int64_t t = t0; t < t1; t++) {                                                \
-            switch (R) {                                                                   \
-                AMX_CASE(T, 16, __VA_ARGS__) AMX_CASE(T, 15, __VA_ARGS__)                  \
-                AMX_CASE(T, 14, __VA_ARGS__) AMX_CASE(T, 13, __VA_ARGS__)                  \
-                AMX_CASE(T, 12, __VA_ARGS__) AMX_CASE(T, 11, __VA_ARGS__)                  \
-                AMX_CASE(T, 10, __VA_ARGS__) AMX_CASE(T, 9, __VA_ARGS__)                   \
-                AMX_CASE(T, 8, __VA_ARGS__) AMX_CASE(T, 7, __VA_ARGS__)                    \
-                AMX_CASE(T, 6, __VA_ARGS__) AMX_CASE(T, 5, __VA_ARGS__)                    \
-                AMX_CASE(T, 4, __VA_ARGS__) AMX_CASE(T, 3, __VA_ARGS__)                    \
-                AMX_CASE(T, 2, __VA_ARGS__) default: T(1, a, r, __VA_ARGS__); break;       \
-            }                                                                              \
+            switch (R) { ROW_CASES_UP_TO_16(T, __VA_ARGS__) }                              \
         }                                                                                  \
     }                                                                                      \
     _tile_release();
@@ -204,7 +193,6 @@ static AMX void q8_tiles_amx(const Activations *a, const uint8_t *q, const float
                              int64_t t0, int64_t t1) {
     int64_t nb = a->k / QK;
     int32_t sums[AMX_BLOCKS * ROWS_AMX * TILE] __attribute__((aligned(64)));
-    AMX_ROW_GROUPS(q8_tile_amx, q + t * nb * 512, d + t * nb * TILE, y + t * TILE, sums,
-                   NULL)
+    AMX_ROW_GROUPS(q8_tile_amx, q + t * nb * 512, d + t * nb * TILE, y + t * TILE, sums)
 }
 #endif

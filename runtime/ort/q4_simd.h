@@ -299,6 +299,13 @@ static AVX2 INLINE void q4_row256(const Activations *a, int64_t r0, const uint8_
 
 /* ---- Q8: R rows x one tile, all blocks ---------------------------------------------------- */
 
+/* acc plus a row's block: its int32 sums s (the activations' sum times -128 included) scaled by
+ * d * sx (every kernel adds a block so, whatever computed s) */
+static AVX512 INLINE __m512 q8_add512(__m512 acc, __m512i s, __m512 dv, float sx) {
+    __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(sx));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc);
+}
+
 /* u8 weights times s8 activations, minus 128 times the activations' sum: exact integers */
 static AVX512 INLINE void q8_tile512(int R, const Activations *a, int64_t r0, const uint8_t *q,
                                      const float *d, float *y) {
@@ -322,8 +329,7 @@ static AVX512 INLINE void q8_tile512(int R, const Activations *a, int64_t r0, co
             __m512i s = _mm512_set1_epi32(-128 * ix[r * nb + b]);
 #pragma GCC unroll 8
             for (int g = 0; g < 8; g++) s = _mm512_dpbusd_epi32(s, w[g], _mm512_set1_epi32(xr[g]));
-            __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(sx[r * nb + b]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
+            acc[r] = q8_add512(acc[r], s, dv, sx[r * nb + b]);
         }
     }
 #pragma GCC unroll 16
@@ -453,10 +459,10 @@ static AVX2 INLINE void q8_pass256(int R, const Activations *a, int64_t r0, cons
     ROW_CASE(T, 6, __VA_ARGS__) ROW_CASE(T, 5, __VA_ARGS__) ROW_CASES_UP_TO_4(T, __VA_ARGS__)
 #define ROW_CASES_4(T, ...) ROW_GROUPS_EVEN(ROWS256, ROW_CASES_UP_TO_4(T, __VA_ARGS__))
 #define ROW_CASES_12(T, ...) ROW_GROUPS(ROWS512_Q4, ROW_CASES_UP_TO_12(T, __VA_ARGS__))
-#define ROW_CASES_16(T, ...)                                                       \
-    ROW_GROUPS(ROWS512, ROW_CASE(T, 16, __VA_ARGS__) ROW_CASE(T, 15, __VA_ARGS__)   \
-               ROW_CASE(T, 14, __VA_ARGS__) ROW_CASE(T, 13, __VA_ARGS__)            \
-               ROW_CASES_UP_TO_12(T, __VA_ARGS__))
+#define ROW_CASES_UP_TO_16(T, ...)                                                 \
+    ROW_CASE(T, 16, __VA_ARGS__) ROW_CASE(T, 15, __VA_ARGS__) ROW_CASE(T, 14, __VA_ARGS__) \
+    ROW_CASE(T, 13, __VA_ARGS__) ROW_CASES_UP_TO_12(T, __VA_ARGS__)
+#define ROW_CASES_16(T, ...) ROW_GROUPS(ROWS512, ROW_CASES_UP_TO_16(T, __VA_ARGS__))
 
 static AVX512 void q4_tiles512(const Activations *a, const uint8_t *q, const uint16_t *d,
                                const uint16_t *m, float *y, int64_t t0, int64_t t1) {
